@@ -1,0 +1,352 @@
+"""Device meshes: named axes, the links between devices, and the hardware of each device.
+
+A mesh file (YAML) describes a cluster: hosts, devices per host, the link inside a host
+(NVLink) and between hosts (InfiniBand), and named axes listed outer to inner. Each axis gets
+the link it actually crosses, so the fastest links serve the innermost axes. A mesh may be
+*virtual*: a description of a cluster that is not present, used for planning and for
+compile-only checks on as many simulated CPU devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from spmd.errors import MeshError
+from spmd.hardware import DeviceSpec, device_spec
+
+PLATFORMS = ("cpu", "gpu")
+_TOP_KEYS = {
+    "name", "device", "platform", "hosts", "devices_per_host", "links", "axes", "virtual",
+    "distributed",
+}
+_LINK_KEYS = {"bandwidth", "latency"}
+_DIST_KEYS = {"coordinator", "num_processes", "process_id"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """A link that one mesh axis communicates over: per-device bandwidth (bytes/s), latency (s)."""
+
+    bandwidth: float
+    latency: float
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """Where the processes of a multi-process run meet (``jax.distributed.initialize``)."""
+
+    coordinator: str
+    num_processes: int
+    process_id: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceMesh:
+    """A cluster as the planner sees it: named axes (outer to inner), links, device hardware.
+
+    >>> mesh = make_mesh({"data": 2, "model": 4}, bandwidth={"data": 25e9, "model": 300e9},
+    ...                  device="a100-40gb", virtual=True)
+    >>> mesh.shape, mesh.size, mesh.link(("data", "model")).bandwidth
+    ({'data': 2, 'model': 4}, 8, 25000000000.0)
+    """
+
+    axis_names: tuple[str, ...]
+    axis_sizes: tuple[int, ...]
+    links: Mapping[str, Link]
+    device: DeviceSpec
+    platform: str = "cpu"
+    virtual: bool = False
+    name: str = "mesh"
+    hosts: int = 1
+    distributed: DistributedConfig | None = None
+    source: str | None = None
+
+    @property
+    def shape(self) -> dict[str, int]:
+        return dict(zip(self.axis_names, self.axis_sizes))
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.axis_sizes)
+
+    def axis_size(self, axes: str | tuple[str, ...] | None) -> int:
+        """Number of devices a tensor dimension is split over when sharded on ``axes``."""
+        if axes is None:
+            return 1
+        if isinstance(axes, str):
+            axes = (axes,)
+        return math.prod(self.shape[a] for a in axes)
+
+    def link(self, axes: str | tuple[str, ...]) -> Link:
+        """The link a collective over ``axes`` runs at: the slowest of them."""
+        if isinstance(axes, str):
+            axes = (axes,)
+        chosen = [self.links[a] for a in axes]
+        return Link(min(l.bandwidth for l in chosen), max(l.latency for l in chosen))
+
+    def abstract_mesh(self):
+        """The jax AbstractMesh (names and sizes, Auto axes): enough for planning and caching."""
+        from jax.sharding import AbstractMesh, AxisType
+
+        return AbstractMesh(self.axis_sizes, self.axis_names,
+                            axis_types=(AxisType.Auto,) * len(self.axis_names))
+
+    def jax_mesh(self):
+        """The concrete jax Mesh over the devices of this process group (Auto axis types).
+
+        A virtual mesh uses as many CPU devices (compile-only checks); a real one needs exactly
+        its size in devices of its platform.
+        """
+        import jax
+        from jax.sharding import AxisType
+
+        backend = "cpu" if self.virtual else self.platform
+        try:
+            devices = jax.devices(backend)
+        except RuntimeError:
+            devices = []
+        if len(devices) < self.size or (not self.virtual and len(devices) != self.size):
+            have = f"{len(devices)} {backend} device(s)"
+            hint = (
+                f"start the process with XLA_FLAGS=--xla_force_host_platform_device_count={self.size}"
+                if backend == "cpu" else "run on a cluster of that size, or load it with virtual=True"
+            )
+            raise MeshError(
+                f"mesh {self.name!r}{_from(self.source)} needs {self.size} {backend} devices "
+                f"(axes {self.shape}) but this process sees {have}; {hint}"
+            )
+        return jax.make_mesh(self.axis_sizes, self.axis_names,
+                             axis_types=(AxisType.Auto,) * len(self.axis_names),
+                             devices=devices[: self.size])
+
+    def describe(self) -> str:
+        axes = ", ".join(
+            f"{n}={s} ({self.links[n].bandwidth / 1e9:g} GB/s, {self.links[n].latency * 1e6:g} us)"
+            for n, s in zip(self.axis_names, self.axis_sizes)
+        )
+        kind = "virtual " if self.virtual else ""
+        return f"{kind}mesh {self.name}: {self.size} x {self.device.name} [{axes}]"
+
+
+def _from(source: str | None) -> str:
+    return f" (from {source})" if source else ""
+
+
+def _number(value: Any, where: str, kind: type = float, positive: bool = True) -> Any:
+    """Parse a number from YAML, where ``300e9`` arrives as a string."""
+    try:
+        out = kind(float(value)) if kind is int else kind(value)
+    except (TypeError, ValueError):
+        raise MeshError(f"{where}: expected a number, got {value!r}") from None
+    if kind is int and float(value) != out:
+        raise MeshError(f"{where}: expected an integer, got {value!r}")
+    if positive and out <= 0:
+        raise MeshError(f"{where}: must be positive, got {value!r}")
+    return out
+
+
+def _link(raw: Any, where: str) -> Link:
+    if not isinstance(raw, Mapping):
+        raise MeshError(f"{where}: expected a mapping with keys bandwidth, latency; got {raw!r}")
+    unknown = sorted(set(raw) - _LINK_KEYS)
+    missing = sorted(_LINK_KEYS - set(raw))
+    if unknown or missing:
+        raise MeshError(f"{where}: unknown keys {unknown}, missing keys {missing}; "
+                        f"valid keys: bandwidth (bytes/s), latency (s)")
+    return Link(_number(raw["bandwidth"], f"{where}.bandwidth"),
+                _number(raw["latency"], f"{where}.latency", positive=False))
+
+
+def _axis_links(names: tuple[str, ...], sizes: tuple[int, ...], devices_per_host: int,
+                intra: Link, inter: Link) -> dict[str, Link]:
+    """Give each axis the link it crosses: axes whose groups stay inside one host use ``intra``.
+
+    Axes are laid out outer to inner (row-major device order), so an axis stays inside a host
+    when the product of its size and all inner sizes is at most ``devices_per_host``.
+    """
+    links: dict[str, Link] = {}
+    inner = 1
+    for name, size in reversed(list(zip(names, sizes))):
+        inner *= size
+        links[name] = intra if (inner <= devices_per_host or size == 1) else inter
+    return links
+
+
+def load_mesh(path: str | os.PathLike, virtual: bool | None = None) -> DeviceMesh:
+    """Read a mesh file. ``virtual`` overrides the file's own ``virtual:`` key.
+
+    A CPU mesh sets the simulated device count itself, when jax's backend has not started yet.
+    """
+    path = Path(path)
+    where = str(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise MeshError(f"{where}: cannot read mesh file: {err.strerror}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise MeshError(f"{where}: malformed YAML: {err}") from None
+    if not isinstance(raw, Mapping):
+        raise MeshError(f"{where}: expected a mapping at the top level, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - _TOP_KEYS)
+    if unknown:
+        raise MeshError(f"{where}: unknown key(s) {unknown}; valid keys: {', '.join(sorted(_TOP_KEYS))}")
+    for key in ("device", "axes"):
+        if key not in raw:
+            raise MeshError(f"{where}: missing key {key!r}")
+    platform = raw.get("platform", "gpu")
+    if platform not in PLATFORMS:
+        raise MeshError(f"{where}: platform: {platform!r} is not one of {PLATFORMS}")
+    axes_raw = raw["axes"]
+    if not isinstance(axes_raw, Mapping) or not axes_raw:
+        raise MeshError(f"{where}: axes: expected a non-empty mapping of axis name to size "
+                        f"(outer to inner), e.g. {{data: 2, model: 4}}")
+    hosts = _number(raw.get("hosts", 1), f"{where}: hosts", int)
+    names: list[str] = []
+    sizes: list[int] = []
+    overrides: dict[str, Link] = {}
+    for name, spec in axes_raw.items():
+        key = f"{where}: axes.{name}"
+        if isinstance(spec, Mapping):
+            extra = sorted(set(spec) - {"size"} - _LINK_KEYS)
+            if extra or "size" not in spec:
+                raise MeshError(f"{key}: expected keys size and optionally bandwidth, latency; "
+                                f"got {sorted(spec)}")
+            sizes.append(_number(spec["size"], f"{key}.size", int))
+            if _LINK_KEYS & set(spec):
+                overrides[str(name)] = _link({k: spec[k] for k in _LINK_KEYS if k in spec}
+                                             | {k: spec.get(k, 0) for k in _LINK_KEYS}, key)
+        else:
+            sizes.append(_number(spec, key, int))
+        names.append(str(name))
+    total = math.prod(sizes)
+    devices_per_host = _number(raw.get("devices_per_host", total // hosts or 1),
+                               f"{where}: devices_per_host", int)
+    if hosts * devices_per_host != total:
+        raise MeshError(f"{where}: axes {dict(zip(names, sizes))} hold {total} devices but "
+                        f"hosts x devices_per_host = {hosts} x {devices_per_host} = "
+                        f"{hosts * devices_per_host}")
+    links_raw = raw.get("links", {})
+    if not isinstance(links_raw, Mapping) or set(links_raw) - {"intra_host", "inter_host"}:
+        raise MeshError(f"{where}: links: expected keys intra_host and (for hosts > 1) "
+                        f"inter_host, got {links_raw!r}")
+    if "intra_host" not in links_raw and len(overrides) < len(names):
+        raise MeshError(f"{where}: missing key 'links.intra_host' (bandwidth, latency)")
+    intra = _link(links_raw["intra_host"], f"{where}: links.intra_host") if "intra_host" in links_raw else None
+    inter = intra
+    if hosts > 1:
+        if "inter_host" not in links_raw:
+            raise MeshError(f"{where}: hosts is {hosts}, so 'links.inter_host' is required")
+        inter = _link(links_raw["inter_host"], f"{where}: links.inter_host")
+    links = _axis_links(tuple(names), tuple(sizes), devices_per_host, intra, inter) if intra else {}
+    links.update(overrides)
+    distributed = _distributed(raw.get("distributed"), where)
+    mesh = DeviceMesh(
+        axis_names=tuple(names), axis_sizes=tuple(sizes), links=links,
+        device=device_spec(raw["device"], f"{where}: device"), platform=platform,
+        virtual=bool(raw.get("virtual", False)) if virtual is None else virtual,
+        name=str(raw.get("name", path.stem)), hosts=hosts, distributed=distributed,
+        source=where,
+    )
+    if platform == "cpu" and not mesh.virtual:
+        per_process = mesh.size // (distributed.num_processes if distributed else 1)
+        set_cpu_device_count(per_process)
+    return mesh
+
+
+def _distributed(raw: Any, where: str) -> DistributedConfig | None:
+    """The multi-process section, or the environment variables SPMD_COORDINATOR,
+    SPMD_NUM_PROCESSES and SPMD_PROCESS_ID (these win, so one file serves every process)."""
+    raw = dict(raw or {})
+    if not isinstance(raw, dict) or set(raw) - _DIST_KEYS:
+        raise MeshError(f"{where}: distributed: valid keys are {sorted(_DIST_KEYS)}")
+    env = {"coordinator": "SPMD_COORDINATOR", "num_processes": "SPMD_NUM_PROCESSES",
+           "process_id": "SPMD_PROCESS_ID"}
+    for key, var in env.items():
+        if os.environ.get(var):
+            raw[key] = os.environ[var]
+    if not raw or int(raw.get("num_processes", 1)) == 1:
+        return None
+    missing = sorted(_DIST_KEYS - set(raw))
+    if missing:
+        raise MeshError(f"{where}: distributed: missing {missing} (or set "
+                        f"{', '.join(env[m] for m in missing)})")
+    num = _number(raw["num_processes"], f"{where}: distributed.num_processes", int)
+    pid = _number(raw["process_id"], f"{where}: distributed.process_id", int, positive=False)
+    if not 0 <= pid < num:
+        raise MeshError(f"{where}: distributed.process_id {pid} not in [0, {num})")
+    return DistributedConfig(str(raw["coordinator"]), num, pid)
+
+
+def set_cpu_device_count(count: int) -> None:
+    """Ask for ``count`` simulated CPU devices; a no-op when the backend already has that many.
+
+    Raises MeshError when jax already started with a different count, naming both numbers.
+    """
+    import jax
+
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:
+        have = len(jax.devices("cpu"))
+        if have != count:
+            raise MeshError(
+                f"the mesh needs {count} CPU devices but jax already started with {have}; "
+                f"load the mesh before any jax computation, or set "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={count}"
+            ) from None
+
+
+def make_mesh(
+    axes: Mapping[str, int],
+    bandwidth: float | Mapping[str, float] = 100e9,
+    latency: float | Mapping[str, float] = 5e-6,
+    device: str | Mapping[str, Any] | DeviceSpec = "cpu",
+    *,
+    platform: str | None = None,
+    virtual: bool = False,
+    name: str = "mesh",
+) -> DeviceMesh:
+    """Build a mesh in code; per-axis ``bandwidth`` (bytes/s) and ``latency`` (s) or one for all."""
+    if not axes:
+        raise MeshError("make_mesh: axes must name at least one axis, e.g. {'data': 8}")
+    names = tuple(str(n) for n in axes)
+    sizes = tuple(_number(s, f"make_mesh: axes[{n!r}]", int) for n, s in axes.items())
+
+    def per_axis(value: float | Mapping[str, float], what: str) -> dict[str, float]:
+        if isinstance(value, Mapping):
+            missing = [n for n in names if n not in value]
+            extra = [n for n in value if n not in names]
+            if missing or extra:
+                raise MeshError(f"make_mesh: {what} must give every axis {list(names)}; "
+                                f"missing {missing}, unknown {extra}")
+            return {n: float(value[n]) for n in names}
+        return {n: float(value) for n in names}
+
+    bws, lats = per_axis(bandwidth, "bandwidth"), per_axis(latency, "latency")
+    spec = device_spec(device, "make_mesh: device")
+    return DeviceMesh(
+        axis_names=names, axis_sizes=sizes,
+        links={n: Link(bws[n], lats[n]) for n in names}, device=spec,
+        platform=platform or ("cpu" if spec.name == "cpu" else "gpu"), virtual=virtual, name=name,
+    )
+
+
+def init_distributed(mesh: DeviceMesh) -> None:
+    """Join the process group the mesh names (gloo collectives on CPU); no-op for one process."""
+    import jax
+
+    dist = mesh.distributed
+    if dist is None:
+        return
+    if mesh.platform == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(dist.coordinator, num_processes=dist.num_processes,
+                               process_id=dist.process_id)

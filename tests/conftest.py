@@ -1,0 +1,8 @@
+"""Test setup: 8 simulated CPU devices, set before jax initializes its backend."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
