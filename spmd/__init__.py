@@ -5,6 +5,8 @@ step (``parallelize``), initialization into shardings (``materialize``), and the
 what XLA emitted (``analyze``).
 """
 
+from spmd.data import process_local_batch as process_local_batch
+from spmd.data import shard_batch as shard_batch
 from spmd.errors import InfeasibleError as InfeasibleError
 from spmd.errors import MeshError as MeshError
 from spmd.errors import PlanError as PlanError
@@ -22,7 +24,8 @@ from spmd.plan import Plan as Plan
 __all__ = [
     "DeviceMesh", "InfeasibleError", "MeshError", "ParallelStep", "Plan", "PlanError",
     "SpmdError", "analyze", "init_distributed", "load_mesh", "make_mesh", "materialize",
-    "parallelize", "plan",
+    "parallelize", "plan", "process_local_batch",
+    "shard_batch",
 ]
 
 

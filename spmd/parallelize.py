@@ -104,15 +104,13 @@ class ParallelStep:
         return jitted.lower(*p.signature.in_avals)
 
     def place(self, *args: Any) -> list[Any]:
-        """The flat leaves of ``args`` placed in the plan's input shardings (process-local
-        batch data becomes part of a global array in multi-process runs)."""
+        """The flat leaves of ``args`` placed in the plan's input shardings. In multi-process
+        runs pass global arrays (``spmd.shard_batch`` builds them from process-local rows)."""
         p, _ = self._prepare(args)
         leaves = p.signature.flatten_args(args)
         placed = []
         for leaf, x, sharding in zip(p.leaves, leaves, p.input_shardings_flat()):
-            if jax.process_count() > 1 and leaf.kind == "batch" and not isinstance(x, jax.Array):
-                placed.append(jax.make_array_from_process_local_data(sharding, x))
-            elif isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
+            if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
                 placed.append(x)
             else:
                 placed.append(jax.device_put(x, sharding))
