@@ -1,0 +1,95 @@
+"""Mesh files, programmatic meshes and their error messages."""
+
+from pathlib import Path
+
+import pytest
+
+import spmd
+from spmd.errors import MeshError
+
+MESHES = sorted(Path(__file__).parent.parent.joinpath("meshes").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", MESHES, ids=lambda p: p.stem)
+def test_every_shipped_mesh_loads(path):
+    mesh = spmd.load_mesh(path, virtual=True)
+    assert mesh.size == mesh.hosts * (mesh.size // mesh.hosts)
+    assert set(mesh.links) == set(mesh.axis_names)
+    assert mesh.device.memory_bytes > 0
+
+
+def test_inner_axes_get_the_fast_link():
+    mesh = spmd.load_mesh("meshes/a100-2x8.yaml", virtual=True)
+    assert mesh.shape == {"data": 2, "model": 8}
+    assert mesh.links["model"].bandwidth == 300e9  # NVLink inside a host
+    assert mesh.links["data"].bandwidth == 25e9  # InfiniBand between hosts
+    assert mesh.link(("data", "model")).bandwidth == 25e9
+
+
+def test_cpu_mesh_gives_jax_mesh_with_auto_axes():
+    from jax.sharding import AxisType
+
+    mesh = spmd.load_mesh("meshes/cpu-8.yaml")
+    jm = mesh.jax_mesh()
+    assert dict(jm.shape) == {"data": 2, "model": 4}
+    assert all(t == AxisType.Auto for t in jm.axis_types)
+
+
+def test_make_mesh_per_axis_links():
+    mesh = spmd.make_mesh({"data": 2, "model": 4}, bandwidth={"data": 25e9, "model": 300e9},
+                          latency={"data": 5e-6, "model": 1e-6}, device="a100-40gb")
+    assert mesh.links["model"].latency == 1e-6
+    assert mesh.device.name == "a100-40gb"
+    with pytest.raises(MeshError, match="missing \\['model'\\]"):
+        spmd.make_mesh({"data": 2, "model": 4}, bandwidth={"data": 1e9})
+
+
+def _write(tmp_path, text):
+    path = tmp_path / "m.yaml"
+    path.write_text(text)
+    return path
+
+
+GOOD = """
+device: a100-40gb
+links: {intra_host: {bandwidth: 3.0e+11, latency: 1.0e-6}}
+axes: {data: 2, model: 4}
+"""
+
+
+def test_numbers_written_without_dot_parse(tmp_path):
+    mesh = spmd.load_mesh(_write(tmp_path, GOOD.replace("3.0e+11", "300e9")), virtual=True)
+    assert mesh.links["data"].bandwidth == 300e9
+
+
+@pytest.mark.parametrize("text, message", [
+    ("axes: [1, 2", "malformed YAML"),
+    (GOOD + "colour: blue\n", "unknown key\\(s\\) \\['colour'\\]"),
+    (GOOD.replace("device: a100-40gb\n", ""), "missing key 'device'"),
+    (GOOD.replace("a100-40gb", "tpu-v9"), "unknown device 'tpu-v9'"),
+    (GOOD.replace("model: 4", "model: four"), "axes.model: expected a number"),
+    (GOOD + "hosts: 3\n", "hosts x devices_per_host"),
+    (GOOD.replace("bandwidth: 3.0e+11, ", ""), "missing keys \\['bandwidth'\\]"),
+])
+def test_bad_mesh_files_name_file_and_key(tmp_path, text, message):
+    path = _write(tmp_path, text)
+    with pytest.raises(MeshError, match=message) as err:
+        spmd.load_mesh(path, virtual=True)
+    assert str(path) in str(err.value)
+
+
+def test_size_mismatch_names_both_numbers(tmp_path):
+    path = _write(tmp_path, GOOD.replace("a100-40gb", "cpu") + "platform: cpu\n"
+                  .replace("axes: {data: 2, model: 4}", ""))
+    text = path.read_text().replace("axes: {data: 2, model: 4}", "axes: {data: 2, model: 2}")
+    path.write_text(text)
+    with pytest.raises(MeshError, match="needs 4 CPU devices but jax already started with 8"):
+        spmd.load_mesh(path)
+
+
+def test_gpu_mesh_on_cpu_box_is_refused_unless_virtual():
+    mesh = spmd.load_mesh("meshes/a100-8.yaml", virtual=False)
+    with pytest.raises(MeshError, match="needs 8 gpu devices .* sees 0 gpu"):
+        mesh.jax_mesh()
+    virtual = spmd.load_mesh("meshes/a100-8.yaml", virtual=True)
+    assert virtual.jax_mesh().devices.size == 8  # compile-only checks on simulated devices
