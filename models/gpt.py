@@ -1,0 +1,158 @@
+"""GPT: a decoder-only transformer (GPT-2 / GPT-3 architecture) in Flax NNX.
+
+Pre-LayerNorm blocks, learned position embeddings, causal self-attention with separate
+q/k/v projections shaped (embed, heads, kv), a GELU MLP, a final LayerNorm and output
+logits tied to the token embedding. Layers are unrolled in a Python loop so each one is
+its own stretch of the traced program, which is what the planner's layer clustering and
+pipeline stages cut along.
+
+Batch: {"inputs": int32 (batch, seq), "targets": int32 (batch, seq)}; loss is the mean
+next-token cross-entropy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models import layers
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    num_layers: int = 2
+    d_model: int = 64
+    num_heads: int = 8
+    head_dim: int = 8  # d_model // num_heads in every listed size, but its own field (the `kv` dim)
+    d_ff: int = 256  # 4 * d_model in GPT-2/3
+    vocab_size: int = 256  # 51200 for the real sizes: GPT-2's 50257 padded to a multiple of 1024 (Megatron)
+    seq_len: int = 32  # tokens per example; also the number of learned positions
+    dtype: str = "float32"  # compute dtype; params stay fp32 (mixed precision)
+
+    def __post_init__(self):
+        layers.check_positive(
+            self, "num_layers", "d_model", "num_heads", "head_dim", "d_ff", "vocab_size", "seq_len"
+        )
+        object.__setattr__(self, "dtype", layers.canonical_dtype(self.dtype))
+
+
+def _size(num_layers: int, d_model: int, num_heads: int) -> Config:
+    return Config(
+        num_layers=num_layers,
+        d_model=d_model,
+        num_heads=num_heads,
+        head_dim=d_model // num_heads,
+        d_ff=4 * d_model,
+        vocab_size=51200,
+        seq_len=1024,
+    )
+
+
+# The GPT-3 family (Brown et al. 2020, Table 2.1) as benchmarked by Megatron-LM
+# (Narayanan et al. 2021) and Alpa (Zheng et al. OSDI'22, Table 4): layers, d_model, heads.
+SIZES: dict[str, Config] = {
+    "tiny": Config(),
+    "125m": _size(12, 768, 12),
+    "350m": _size(24, 1024, 16),
+    "760m": _size(24, 1536, 16),
+    "1.3b": _size(24, 2048, 32),
+    "2.6b": _size(32, 2560, 32),
+    "6.7b": _size(32, 4096, 32),
+    "13b": _size(40, 5120, 40),
+}
+
+# Default global batch (sequences) per size: small enough to fit one 80 GB GPU's worth
+# of activations per 8 devices without remat at seq 1024.
+DEFAULT_BATCH_SIZES: dict[str, int] = {
+    "tiny": 8,
+    "125m": 32,
+    "350m": 32,
+    "760m": 16,
+    "1.3b": 16,
+    "2.6b": 16,
+    "6.7b": 8,
+    "13b": 8,
+}
+
+UNIT = "tokens"
+
+
+class Block(nnx.Module):
+    """Pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        head_dim: int,
+        d_ff: int,
+        *,
+        out_std: float,
+        dtype: jnp.dtype,
+        rngs: layers.Keys,
+    ):
+        self.ln1 = layers.LayerNorm(d_model, rngs=rngs)
+        self.attn = layers.CausalSelfAttention(
+            d_model, num_heads, head_dim, out_std=out_std, dtype=dtype, rngs=rngs
+        )
+        self.ln2 = layers.LayerNorm(d_model, rngs=rngs)
+        self.mlp = layers.FeedForward(d_model, d_ff, out_std=out_std, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x + self.attn(self.ln1(x))  # (batch, seq, embed)
+        return x + self.mlp(self.ln2(x))
+
+
+def residual_std(num_layers: int) -> float:
+    """GPT-2 (Radford et al. 2019, §2.3) scales the init of projections that write into the
+    residual stream by 1/sqrt(N), N = 2 per layer, so the stream's variance does not grow
+    with depth."""
+    return layers.INIT_STD / math.sqrt(2 * num_layers)
+
+
+class GPT(nnx.Module):
+    def __init__(self, config: Config, *, rngs: layers.Keys):
+        self.config = config
+        dt = jnp.dtype(config.dtype)
+        c = config
+        self.embed = layers.Embeddings(c.vocab_size, c.seq_len, c.d_model, dtype=dt, rngs=rngs)
+        out_std = residual_std(c.num_layers)
+        self.blocks = nnx.List(
+            [
+                Block(c.d_model, c.num_heads, c.head_dim, c.d_ff, out_std=out_std, dtype=dt, rngs=rngs)
+                for _ in range(c.num_layers)
+            ]
+        )
+        self.ln_f = layers.LayerNorm(c.d_model, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """tokens int32 (batch, seq) -> logits fp32 (batch, seq, vocab)."""
+        x = self.embed.encode(tokens)  # (batch, seq, embed)
+        for block in self.blocks:
+            x = block(x)
+        return self.embed.decode(self.ln_f(x))
+
+
+def create(config: Config, seed: int = 0) -> GPT:
+    """A GPT with fp32 params from `seed`; pure, so it can run under `nnx.eval_shape` or a
+    `jax.jit` with out_shardings. Eager sharding is off: the logical names are metadata for
+    the planner, not a request to place arrays on the current mesh."""
+    with nnx.use_eager_sharding(False):
+        return GPT(config, rngs=layers.Keys(seed))
+
+
+def make_batch(config: Config, batch_size: int, seed: int = 0) -> dict[str, jax.Array]:
+    return layers.lm_batch(config.vocab_size, config.seq_len, batch_size, seed)
+
+
+def loss(model: GPT, batch: dict[str, jax.Array]) -> jax.Array:
+    """Mean next-token cross-entropy (fp32)."""
+    return layers.cross_entropy(model(batch["inputs"]), batch["targets"])
+
+
+def items_per_batch(config: Config, batch_size: int) -> int:
+    return batch_size * config.seq_len
