@@ -1,0 +1,256 @@
+"""The intra-op integer program on hand-written cost matrices."""
+
+import itertools
+import math
+import time
+
+import numpy as np
+import pytest
+
+from spmd.errors import InfeasibleError, PlanError
+from spmd.solver import (SolverRequest, evaluate, memory_peak, rescale, solve, validate)
+
+INF = float("inf")
+
+
+def request(node_costs, edges=(), edge_costs=(), same_as=None, node_memory=None, liveness=(),
+            memory_budget=None, warm_start=None, time_limit=10.0):
+    n = len(node_costs)
+    return SolverRequest(
+        node_names=[f"n{i}" for i in range(n)],
+        strategy_names=[[f"s{j}" for j in range(len(c))] for c in node_costs],
+        node_costs=[list(c) for c in node_costs], edges=list(edges),
+        edge_costs=[[list(r) for r in m] for m in edge_costs],
+        same_as=list(same_as) if same_as is not None else [-1] * n,
+        node_memory=node_memory or [[0.0] * len(c) for c in node_costs],
+        liveness=[list(s) for s in liveness], memory_budget=memory_budget,
+        warm_start=warm_start, time_limit=time_limit)
+
+
+def brute_force(req):
+    """Best admissible assignment by enumeration (tiny requests only)."""
+    best = (INF, None)
+    for choice in itertools.product(*[range(len(c)) for c in req.node_costs]):
+        if any(s != -1 and choice[v] != choice[s] for v, s in enumerate(req.same_as)):
+            continue
+        if req.memory_budget is not None and memory_peak(req, choice) > req.memory_budget:
+            continue
+        best = min(best, (evaluate(req, choice), list(choice)))
+    return best
+
+
+SWAP = [[0.0, 3.0], [3.0, 0.0]]  # resharding between two specs costs 3
+
+
+def test_chain_prefers_consistent_specs():
+    # a prefers s0 slightly, b and c prefer s1 by more: all choose s1, no resharding
+    req = request([[1.0, 1.5], [2.0, 0.5], [2.0, 0.5]], [(0, 1), (1, 2)], [SWAP, SWAP])
+    res = solve(req)
+    assert res.choice == [1, 1, 1]
+    assert res.status == "optimal" and not res.timed_out
+    assert res.objective == pytest.approx(2.5) == evaluate(req, res.choice)
+    assert res.bound <= res.objective + 1e-9
+    assert res.num_variables > 0 and res.num_constraints > 0
+
+
+def test_diamond_matches_brute_force():
+    rng = np.random.default_rng(1)
+    costs = [rng.uniform(0, 1, 3).tolist() for _ in range(4)]
+    edges = [(0, 1), (0, 2), (1, 3), (2, 3)]
+    mats = [rng.uniform(0, 2, (3, 3)).tolist() for _ in edges]
+    req = request(costs, edges, mats)
+    res = solve(req)
+    value, choice = brute_force(req)
+    assert res.objective == pytest.approx(value, rel=1e-5)
+    assert evaluate(req, res.choice) == res.objective
+
+
+def test_random_small_graphs_match_brute_force():
+    rng = np.random.default_rng(7)
+    for trial in range(5):
+        n = 5
+        ks = rng.integers(1, 4, n)
+        costs = [rng.uniform(0, 1, k).tolist() for k in ks]
+        edges = [(i, j) for i in range(n) for j in range(i + 1, n) if rng.uniform() < 0.5]
+        mats = [rng.uniform(0, 1, (ks[u], ks[v])).tolist() for u, v in edges]
+        req = request(costs, edges, mats)
+        res = solve(req)
+        assert res.objective == pytest.approx(brute_force(req)[0], rel=1e-5), trial
+
+
+def test_large_matrices_use_row_constraints_and_stay_exact():
+    # 6 x 6 matrices with distinct rows exceed MARGINAL_LIMIT: the enforced-row formulation
+    rng = np.random.default_rng(3)
+    costs = [rng.uniform(0, 1, 6).tolist() for _ in range(3)]
+    edges = [(0, 1), (1, 2), (0, 2)]
+    mats = [rng.uniform(0, 1, (6, 6)).tolist() for _ in edges]
+    req = request(costs, edges, mats)
+    assert solve(req).objective == pytest.approx(brute_force(req)[0], rel=1e-5)
+
+
+def test_same_as_shares_one_choice():
+    # Two repeated layers; alone, layer 2 would prefer s0, but it must follow layer 1.
+    req = request([[0.0, 1.0], [1.0, 0.0], [0.0, 1.0], [2.0, 0.0]],
+                  [(0, 1), (1, 2), (2, 3)], [SWAP, SWAP, SWAP], same_as=[-1, -1, 0, 1])
+    res = solve(req)
+    assert res.choice[2] == res.choice[0] and res.choice[3] == res.choice[1]
+    value, choice = brute_force(req)
+    assert res.objective == pytest.approx(value)
+    # chains of same_as resolve to the first representative
+    req.same_as = [-1, -1, 0, 2]
+    res = solve(req)
+    assert res.choice[0] == res.choice[2] == res.choice[3]
+
+
+def test_single_strategy_endpoints_and_zero_edges_fold():
+    req = request([[1.0], [0.0, 0.0], [0.5, 0.0]], [(0, 1), (1, 2)],
+                  [[[2.0, 0.0]], [[0.0, 0.0], [0.0, 0.0]]])
+    res = solve(req)
+    assert res.choice == [0, 1, 1] and res.objective == pytest.approx(1.0)
+
+
+def test_forbidden_pairs_and_strategies():
+    # the cheap pair (s0, s0) is forbidden; s1 of node 1 is forbidden
+    req = request([[0.0, 1.0], [0.0, INF, 0.5]], [(0, 1)],
+                  [[[INF, 1.0, 0.2], [0.0, 5.0, 5.0]]])
+    res = solve(req)
+    assert res.choice == [0, 2]
+    assert res.objective == pytest.approx(0.7)
+    assert math.isfinite(res.objective)
+    # nothing allowed: infeasible, and the message says why
+    req = request([[0.0], [0.0]], [(0, 1)], [[[INF]]])
+    with pytest.raises(InfeasibleError, match="forbidden"):
+        solve(req)
+
+
+def test_memory_budget_forces_smaller_strategy():
+    # s0 fast but big (replicated), s1 slower and small (sharded)
+    mem = [[8e9, 1e9], [8e9, 1e9]]
+    req = request([[0.0, 1.0], [0.0, 1.0]], [(0, 1)], [SWAP], node_memory=mem,
+                  liveness=[[0, 1]], memory_budget=10e9)
+    res = solve(req)
+    assert memory_peak(req, res.choice) <= 10e9
+    assert res.objective == pytest.approx(brute_force(req)[0])
+    req.memory_budget = 3e9
+    res = solve(req)
+    assert res.choice == [1, 1] and res.objective == pytest.approx(2.0)
+    req.memory_budget = None
+    assert solve(req).choice == [0, 0]
+
+
+def test_infeasible_memory_states_the_minimum():
+    mem = [[8e9, 1e9], [8e9, 3e9], [4e9, 2e9]]
+    req = request([[0.0, 1.0]] * 3, [(0, 1), (1, 2)], [SWAP, SWAP], node_memory=mem,
+                  liveness=[[0, 1], [1, 2]], memory_budget=2e9)
+    with pytest.raises(InfeasibleError) as err:
+        solve(req)
+    msg = str(err.value)
+    # least peak: max(1e9 + 3e9, 3e9 + 2e9) = 5e9 bytes
+    assert "5000000000 bytes" in msg and "remat" in msg and "devices" in msg
+
+
+def test_warm_start_and_time_out_paths():
+    req = _random_request(n=300, edges=450, seed=5, time_limit=0.05)
+    hand = [0] * 300
+    req.warm_start = hand
+    res = solve(req)
+    assert res.objective <= evaluate(req, hand) + 1e-12
+    assert res.objective == pytest.approx(evaluate(req, res.choice))
+    # a tiny limit may still prove optimality on a lucky instance: accept both outcomes
+    assert res.timed_out == (res.status == "feasible")
+    if res.timed_out:
+        assert res.bound <= res.objective
+
+
+def test_json_round_trip():
+    req = request([[0.0, INF], [1.0, 2.0]], [(0, 1)], [[[0.0, INF], [1.0, 2.0]]],
+                  node_memory=[[1.0, 2.0], [3.0, 4.0]], liveness=[[0, 1]],
+                  memory_budget=10.0, warm_start=[0, 0], time_limit=3.0)
+    back = SolverRequest.from_json(req.to_json())
+    assert back == req
+    assert solve(back).choice == solve(req).choice
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda r: r.node_costs.pop(), "node_costs has 1 entries for 2 nodes"),
+    (lambda r: r.node_costs[1].append(0.0), "node 1 \\('n1'\\) has 2 strategies but 3 node_costs"),
+    (lambda r: r.edges.__setitem__(0, (0, 5)), "edge 0 \\(0, 5\\)"),
+    (lambda r: r.edge_costs.__setitem__(0, [[0.0]]), "edge 0 node 0 .* needs a 2 x 2"),
+    (lambda r: r.same_as.__setitem__(1, 1), "same_as 1 is not another node"),
+    (lambda r: r.liveness.append([0, 9]), "liveness set 0 names unknown nodes \\[9\\]"),
+    (lambda r: setattr(r, "warm_start", [0, 3]), "warm_start: node 1 \\('n1'\\) has no strategy 3"),
+    (lambda r: setattr(r, "memory_budget", -1.0), "memory_budget must be positive"),
+    (lambda r: r.node_memory[0].__setitem__(0, -1.0), "node 0 .* negative"),
+])
+def test_validate_names_the_fault(mutate, match):
+    req = request([[0.0, 1.0], [0.0, 1.0]], [(0, 1)], [SWAP])
+    validate(req)
+    mutate(req)
+    with pytest.raises(PlanError, match=match):
+        validate(req)
+
+
+def test_validate_detects_same_as_cycles_and_mismatch():
+    req = request([[0.0, 1.0]] * 3, same_as=[1, 2, 0])
+    with pytest.raises(PlanError, match="cycle"):
+        validate(req)
+    req = request([[0.0, 1.0], [0.0, 1.0, 2.0]], same_as=[-1, 0])
+    with pytest.raises(PlanError, match="its same_as"):
+        validate(req)
+
+
+def test_rescale_keeps_tiny_costs_and_forbids_inf():
+    s = rescale([[0.0, 1e-12, 1.0, INF]])
+    assert s.unary[0].tolist() == [0, 1, 1_000_000, -1]
+    assert s.offset == 0.0 and s.scale == pytest.approx(1e6)
+    s = rescale([[2.0, 2.0]], {(0, 1): [[5.0, 7.0], [INF, 5.0]]})
+    assert s.offset == pytest.approx(7.0)
+    assert s.pairs[(0, 1)].tolist() == [[0, 1_000_000], [-1, 0]]
+
+
+def test_evaluate_and_memory_peak():
+    req = request([[1.0, 2.0], [3.0, 4.0]], [(0, 1)], [SWAP], node_memory=[[1.0, 2.0], [4.0, 8.0]],
+                  liveness=[[0], [0, 1]])
+    assert evaluate(req, [0, 1]) == pytest.approx(1.0 + 4.0 + 3.0)
+    assert memory_peak(req, [1, 1]) == 10.0
+    with pytest.raises(PlanError, match="2 entries|has no strategy"):
+        evaluate(req, [0, 2])
+
+
+# -- scale ---------------------------------------------------------------------------------
+
+
+def _random_request(n, edges, seed, time_limit, labels=8, keep=0.8):
+    """A planner-like graph: strategies are specs (labels), resharding depends only on the
+    (producer spec, consumer spec) pair; equal specs and slicing from replicated (label 0)
+    are free; consumers mostly want what they produce; chain plus short skip edges."""
+    rng = np.random.default_rng(seed)
+    ks = rng.integers(4, 31, n)
+    out = [rng.integers(0, labels, k) for k in ks]
+    inn = [np.where(rng.uniform(size=k) < keep, o, rng.integers(0, labels, k))
+           for o, k in zip(out, ks)]
+    C = rng.choice([0.5, 1.0], (labels, labels))
+    C[0, :] = 0
+    np.fill_diagonal(C, 0)
+    costs = [(rng.uniform(1e-4, 1e-3) * (1 + rng.uniform(0, 0.5, k))).tolist() for k in ks]
+    E = [(i - 1, i) for i in range(1, n)]
+    while len(E) < edges:
+        v = int(rng.integers(2, n))
+        E.append((max(0, v - int(rng.integers(2, 7))), v))
+    mats = [(rng.uniform(1e-4, 1e-3) * C[out[u]][:, inn[v]]).tolist() for u, v in E]
+    mem = [rng.uniform(1e6, 1e8, k).tolist() for k in ks]
+    return SolverRequest([f"n{i}" for i in range(n)], [[f"s{j}" for j in range(k)] for k in ks],
+                         costs, E, mats, [-1] * n, mem, [], None, None, time_limit)
+
+
+def test_large_request_solves_in_seconds():
+    req = _random_request(n=2000, edges=3000, seed=0, time_limit=10.0)
+    start = time.perf_counter()
+    res = solve(req)
+    elapsed = time.perf_counter() - start
+    print(f"\n2000 nodes / 3000 edges: {elapsed:.1f} s, status {res.status}, "
+          f"objective {res.objective:.5f}, bound {res.bound:.5f}, {res.num_variables} variables")
+    assert elapsed < 60
+    assert res.objective == pytest.approx(evaluate(req, res.choice))
+    # better than the trivial plan "everyone takes strategy 0"
+    assert res.objective < evaluate(req, [0] * 2000)
