@@ -1,0 +1,55 @@
+"""Apply a searched plan: re-run the step's jaxpr with sharding constraints where the plan
+chose a spec that XLA's propagation might not guess.
+
+The interpreter walks the same flattened program as :func:`spmd.graph.build_graph` (nested
+``jit``, ``custom_jvp``/``custom_vjp`` and ``checkpoint`` jaxprs inlined; a differentiated
+checkpoint keeps its optimization barrier), so the keys of ``AutoResult.constraints``
+(``"eqn 17 out 0"``: an equation's output; ``"eqn 17 in 1"``: what it reads as operand 1, a
+reshard point) name the same values here.
+
+>>> import jax, jax.numpy as jnp
+>>> from spmd.mesh import make_mesh
+>>> cj = jax.make_jaxpr(lambda w, x: x @ w)(jnp.ones((4, 8)), jnp.ones((2, 4)))
+>>> f = constrained(cj, {"eqn 0 out 0": ((), ("model",))}, make_mesh({"model": 1}))
+>>> f(jnp.ones((4, 8)), jnp.ones((2, 4)))[0].shape
+(2, 8)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import jax
+from jax.sharding import NamedSharding
+
+from spmd.graph import eval_jaxpr_with, operand_key, value_key
+from spmd.mesh import DeviceMesh
+from spmd.sharding import Spec, to_partition_spec
+
+
+def constrained(closed_jaxpr, constraints: Mapping[str, Spec], mesh: DeviceMesh | Any) -> Callable:
+    """A function of the step's flat inputs that returns its flat outputs, with
+    ``with_sharding_constraint`` on every value named in ``constraints``.
+
+    ``mesh`` is a DeviceMesh or a concrete ``jax.sharding.Mesh``. The caller jits the result
+    with in/out shardings from the plan's input and output specs.
+    """
+    jmesh = mesh.jax_mesh() if isinstance(mesh, DeviceMesh) else mesh
+    shardings = {k: NamedSharding(jmesh, to_partition_spec(tuple(tuple(a) for a in s)))
+                 for k, s in constraints.items()}
+    outs_at = {k for k in shardings if " out " in k}
+    ins_at = {k for k in shardings if " in " in k}
+
+    def after(path, eqn, outs):
+        return [jax.lax.with_sharding_constraint(x, shardings[value_key(path, k)])
+                if value_key(path, k) in outs_at else x for k, x in enumerate(outs)]
+
+    def before(path, args):
+        return [jax.lax.with_sharding_constraint(x, shardings[operand_key(path, i)])
+                if operand_key(path, i) in ins_at else x for i, x in enumerate(args)]
+
+    def run(*args):
+        return eval_jaxpr_with(closed_jaxpr.jaxpr, closed_jaxpr.consts, args, after,
+                               before if ins_at else None)
+
+    return run

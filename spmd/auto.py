@@ -1,0 +1,635 @@
+"""Automatic sharding: an Alpa-style integer program over the train step's op graph.
+
+``search`` turns the step's jaxpr into a :class:`~spmd.graph.Graph`, asks the rules for each
+op's strategies, prices them with :class:`~spmd.cost.CostModel`, shrinks the problem and
+hands a flat :class:`~spmd.solver.SolverRequest` to the solver (DESIGN.md, "The intra-op
+integer program"). The answer is a spec for every input, every output and the intermediates
+worth constraining, plus the cost model's :class:`Prediction` of the plan.
+
+Keeping the program small (every reduction documented in ``AutoResult.stats``):
+
+* **followers** (elementwise ops, converts, broadcasts; ``rules.is_follower``) share the
+  choice of the op producing their main operand (their largest operand): they are merged
+  into its group and add their cost to it. Inputs and constants never absorb followers, so
+  an input's memory is its own.
+* **small tensors**: a value under ``small_bytes`` (``min(64 KiB, largest value / 256)``;
+  the fraction keeps tiny test models meaningful, the cap keeps real models' biases, norms
+  and scalars out of the search) keeps only strategies with replicated outputs.
+* **repeated layers**: nodes whose neighbourhood (primitive, shapes, params of the node and
+  its operands, with relative positions) repeats at a distance of at least ``MIN_PERIOD``
+  ops share one choice (``same_as``), as do the inputs they read at the same position. A
+  structure that repeats with a shorter period (a stack of tiny MLP layers) is left untied,
+  because alternating choices (column then row split) matter there.
+
+Memory: every value is live from its producer to its last consumer (program order = jaxpr
+order); inputs live throughout unless an output aliases them (donated: they die at their
+last use, their new value lives to the end). A group's memory is its values' bytes at the
+point where the group's own live bytes peak; the budget binds at the ``LIVENESS_POINTS``
+program points with the most live bytes (replicated measure).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import time
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from spmd import rules as _rules
+from spmd.cost import Collective, CostModel
+from spmd.errors import PlanError
+from spmd.graph import Graph, Value, build_graph, operand_key, value_key
+from spmd.mesh import DeviceMesh
+from spmd.sharding import Spec, all_specs, bytes_per_device, format_spec, is_valid, replicated
+from spmd.solver import SolverRequest, SolverResult, solve
+
+__all__ = ["AutoResult", "InputInfo", "Prediction", "score", "search"]
+
+COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+SMALL_BYTES_CAP = 64 * 1024
+SMALL_FRACTION = 1 / 256
+MIN_PERIOD = 16
+LIVENESS_POINTS = 50
+#: an input costs this fraction of the time to stream its per-device bytes once: only breaks
+#: ties (a batch split for free rather than replicated), never outweighs communication.
+INPUT_BYTES_WEIGHT = 1e-3
+#: Constraints: every op output of at least ``small_bytes`` gets one (a constraint equal to
+#: what XLA would propagate costs nothing; leaving one out let XLA re-slice a value the plan
+#: had gathered, which doubled a step's all-gathers in testing), plus every reshard point.
+
+
+@dataclasses.dataclass(frozen=True)
+class InputInfo:
+    """One flattened input leaf of the step.
+
+    ``kind`` is ``"param"``, ``"optimizer"``, ``"batch"`` or ``"state"``; ``pinned`` a spec
+    the user fixed (a hard constraint).
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: Any
+    kind: str = "param"
+    pinned: Spec | None = None
+
+
+@dataclasses.dataclass
+class Prediction:
+    """The cost model's view of one plan, per device."""
+
+    compute_time: float
+    comm_time: float
+    total_time: float
+    collectives: dict[str, tuple[int, float]]
+    memory_bytes: float
+
+    def to_dict(self) -> dict:
+        return {"compute_time": self.compute_time, "comm_time": self.comm_time,
+                "total_time": self.total_time, "memory_bytes": self.memory_bytes,
+                "collectives": {k: [int(c), float(b)] for k, (c, b) in self.collectives.items()}}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Prediction":
+        return cls(float(d["compute_time"]), float(d["comm_time"]), float(d["total_time"]),
+                   {k: (int(v[0]), float(v[1])) for k, v in d["collectives"].items()},
+                   float(d["memory_bytes"]))
+
+
+def _spec_json(spec: Spec) -> list:
+    return [list(axes) for axes in spec]
+
+
+def _spec_load(raw) -> Spec:
+    return tuple(tuple(axes) for axes in raw)
+
+
+@dataclasses.dataclass
+class AutoResult:
+    """What ``search`` found: specs, the prediction, the solver's report and sizes."""
+
+    input_specs: list[Spec]
+    output_specs: list[Spec]
+    prediction: Prediction
+    solver: SolverResult | None
+    stats: dict
+    fallbacks: list[str]
+    constraints: dict[str, Spec]
+
+    def to_dict(self) -> dict:
+        return {
+            "input_specs": [_spec_json(s) for s in self.input_specs],
+            "output_specs": [_spec_json(s) for s in self.output_specs],
+            "prediction": self.prediction.to_dict(),
+            "solver": dataclasses.asdict(self.solver) if self.solver is not None else None,
+            "stats": dict(self.stats), "fallbacks": list(self.fallbacks),
+            "constraints": {k: _spec_json(s) for k, s in self.constraints.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "AutoResult":
+        return cls(
+            [_spec_load(s) for s in d["input_specs"]], [_spec_load(s) for s in d["output_specs"]],
+            Prediction.from_dict(d["prediction"]),
+            SolverResult(**d["solver"]) if d.get("solver") else None,
+            dict(d["stats"]), list(d["fallbacks"]),
+            {k: _spec_load(s) for k, s in d["constraints"].items()},
+        )
+
+
+# ------------------------------------------------------------------------------ the problem
+
+
+def _input_strategy(spec: Spec) -> _rules.Strategy:
+    return _rules.Strategy(format_spec(spec), (), (spec,))
+
+
+def _dtype(op) -> Any:
+    for d in tuple(op.out_dtypes) + tuple(op.in_dtypes):
+        if d is not None:
+            return d
+    return np.float32
+
+
+def _nbytes(shape, dtype) -> int:
+    if dtype is None:
+        return 0
+    try:
+        return math.prod(shape) * np.dtype(dtype).itemsize
+    except TypeError:  # tokens and other non-array values
+        return 0
+
+
+class _Problem:
+    """Graph + strategies + groups: everything needed to build a request and read a choice."""
+
+    def __init__(self, graph: Graph, inputs: Sequence[InputInfo], mesh: DeviceMesh,
+                 cost: CostModel, pins: Sequence[Spec | None], output_aliases: Mapping[int, int],
+                 share_layers: bool = True):
+        self.g, self.mesh, self.cost = graph, mesh, cost
+        self.mesh_shape = mesh.shape
+        self.aliases = dict(output_aliases)
+        nodes = graph.nodes
+        if len(inputs) != len(graph.inputs):
+            raise PlanError(f"search: {len(inputs)} InputInfo given but the step has "
+                            f"{len(graph.inputs)} flat inputs")
+        largest = max((graph.value_bytes(Value(n.id, k)) for n in nodes
+                       for k in range(len(n.op.out_shapes))
+                       if n.op.out_dtypes[k] is not None), default=0)
+        self.small_bytes = min(SMALL_BYTES_CAP, largest * SMALL_FRACTION)
+        ctx = _rules.RuleContext(mesh)
+        self.strats: list[list[_rules.Strategy]] = []
+        self.stats: dict[str, Any] = {"small": 0}
+        for n in nodes:
+            self.strats.append(self._strategies(n, ctx, inputs, pins))
+        self.own_cost = [np.array([self._cost(n, s) for s in ss]) for n, ss in zip(nodes, self.strats)]
+        self._merge_followers()
+        self._tie_layers(share_layers)
+
+    # -- strategies ----------------------------------------------------------------------
+    def _strategies(self, n, ctx, inputs, pins) -> list[_rules.Strategy]:
+        shape, dtype = (n.op.out_shapes[0], n.op.out_dtypes[0]) if n.op.out_shapes else ((), None)
+        if n.kind == "const":
+            return [_input_strategy(replicated(len(shape)))]
+        if n.kind == "input":
+            info, pin = inputs[n.input_index], pins[n.input_index]
+            if pin is not None:
+                pin = tuple(tuple(a) for a in pin)
+                if not is_valid(pin, shape, self.mesh_shape):
+                    raise PlanError(f"input {info.path} (shape {shape}): spec {format_spec(pin)} "
+                                    f"does not fit mesh {self.mesh_shape}")
+                return [_input_strategy(pin)]
+            if _nbytes(shape, dtype) < self.small_bytes:
+                self.stats["small"] += 1
+                return [_input_strategy(replicated(len(shape)))]
+            return [_input_strategy(s) for s in all_specs(shape, self.mesh_shape, 2)]
+        found = _rules.strategies(n.op, ctx)
+        total = sum(_nbytes(s, d) for s, d in zip(n.op.out_shapes, n.op.out_dtypes))
+        if total < self.small_bytes and len(found) > 1:
+            rep = [s for s in found if all(not any(ax) for ax in s.out_specs)]
+            if rep:
+                self.stats["small"] += 1
+                return rep
+        return found
+
+    def _cost(self, n, s: _rules.Strategy) -> float:
+        if n.kind != "op":  # tie-break: between equally fast plans, hold less
+            return INPUT_BYTES_WEIGHT * self.cost.memory_time(
+                bytes_per_device(n.op.out_shapes[0], n.op.out_dtypes[0], s.out_specs[0], self.mesh_shape))
+        return (self.cost.compute(s.flops, _dtype(n.op)) if s.flops else 0.0) + \
+            sum(self.cost.time(c) for c in s.collectives)
+
+    # -- followers -----------------------------------------------------------------------
+    def _merge_followers(self) -> None:
+        nodes = self.g.nodes
+        self.root = list(range(len(nodes)))
+        self.fmap: list[np.ndarray] = [np.arange(len(ss)) for ss in self.strats]
+        merged = 0
+        for n in nodes:
+            if n.kind != "op" or not _rules.is_follower(n.op.primitive):
+                continue
+            cands = [(math.prod(n.op.in_shapes[i]), -i, i) for i, v in enumerate(n.operands)
+                     if v is not None and nodes[v.node].kind == "op"]
+            if not cands:
+                continue
+            m = max(cands)[2]
+            v = n.operands[m]
+            u, r = v.node, self.root[v.node]
+            best: dict[Spec, int] = {}
+            for j, s in enumerate(self.strats[n.id]):
+                key = s.in_specs[m]
+                if key not in best or self.own_cost[n.id][j] < self.own_cost[n.id][best[key]]:
+                    best[key] = j
+            mapping = []
+            for ri in range(len(self.strats[r])):
+                spec = self.strats[u][self.fmap[u][ri]].out_specs[v.index]
+                if spec not in best:
+                    break
+                mapping.append(best[spec])
+            else:
+                self.root[n.id] = r
+                self.fmap[n.id] = np.array(mapping, dtype=int)
+                merged += 1
+        self.stats["followers_merged"] = merged
+        self.groups: dict[int, list[int]] = collections.defaultdict(list)
+        for i, r in enumerate(self.root):
+            self.groups[r].append(i)
+        self.roots = sorted(self.groups)
+        self.index = {r: i for i, r in enumerate(self.roots)}
+
+    # -- repeated layers -----------------------------------------------------------------
+    def _tie_layers(self, enabled: bool) -> None:
+        nodes = self.g.nodes
+        parent = {r: r for r in self.roots}
+
+        def find(x):
+            while parent[x] != x:
+                parent[x] = parent[parent[x]]
+                x = parent[x]
+            return x
+
+        def union(a, b):
+            ra, rb = find(a), find(b)
+            if ra != rb and self._names(ra) == self._names(rb):
+                parent[max(ra, rb)] = min(ra, rb)
+                return True
+            return False
+
+        tied = 0
+        if enabled:
+            tok = [hash((n.kind, n.op.primitive, n.op.in_shapes, n.op.out_shapes,
+                         tuple(str(d) for d in n.op.out_dtypes),
+                         repr(sorted((k, repr(v)[:200]) for k, v in n.op.params.items()))))
+                   for n in nodes]
+            sig = [hash((tok[n.id], tuple(None if v is None else
+                                          (tok[v.node], v.index, n.id - v.node if nodes[v.node].kind == "op" else 0)
+                                          for v in n.operands))) for n in nodes]
+            by_sig: dict[int, list[int]] = collections.defaultdict(list)
+            for n in nodes:
+                if n.kind == "op" and self.root[n.id] == n.id and len(self.strats[n.id]) > 1:
+                    by_sig[sig[n.id]].append(n.id)
+            size = len(nodes)
+
+            def window(a, b):
+                return b + MIN_PERIOD <= size and all(sig[a + i] == sig[b + i] for i in range(MIN_PERIOD))
+
+            for members in by_sig.values():
+                for i, a in enumerate(members):
+                    later = members[i + 1:]
+                    if not later or (later[0] - a < MIN_PERIOD and window(a, later[0])):
+                        continue  # no repeat, or a short period: leave it free
+                    for b in later:
+                        if b - a >= MIN_PERIOD and window(a, b):
+                            if union(a, b):
+                                tied += 1
+                                for va, vb in zip(nodes[a].operands, nodes[b].operands):
+                                    if (va is not None and vb is not None and va.node != vb.node
+                                            and nodes[va.node].kind == "input" == nodes[vb.node].kind
+                                            and tok[va.node] == tok[vb.node] and union(va.node, vb.node)):
+                                        tied += 1
+                            break
+        self.same_as = [-1] * len(self.roots)
+        for r in self.roots:
+            rep = find(r)
+            if rep != r:
+                self.same_as[self.index[r]] = self.index[rep]
+        self.stats["tied"] = tied
+
+    def _names(self, r: int) -> list[str]:
+        return [s.name for s in self.strats[r]]
+
+    # -- looking things up under a choice of root strategies -----------------------------
+    def strategy_of(self, node: int, root_choice: int) -> _rules.Strategy:
+        return self.strats[node][self.fmap[node][root_choice]]
+
+    def out_spec(self, v: Value, root_choice: int) -> Spec:
+        return self.strategy_of(v.node, root_choice).out_specs[v.index]
+
+    # -- the request ---------------------------------------------------------------------
+    def request(self, memory_budget: float | None, time_limit: float) -> SolverRequest:
+        g, nodes = self.g, self.g.nodes
+        costs = [np.zeros(len(self.strats[r])) for r in self.roots]
+        for n in nodes:
+            costs[self.index[self.root[n.id]]] += self.own_cost[n.id][self.fmap[n.id]]
+        edges: dict[tuple[int, int], np.ndarray] = {}
+
+        def add_edge(a: int, b: int, mat: np.ndarray) -> None:
+            if a > b:
+                a, b, mat = b, a, mat.T
+            edges[(a, b)] = edges[(a, b)] + mat if (a, b) in edges else mat
+
+        for n in nodes:
+            rv = self.root[n.id]
+            for i, v in enumerate(n.operands):
+                if v is None:
+                    continue
+                ru = self.root[v.node]
+                shape, dtype = g.value_shape(v), g.value_dtype(v)
+                src = [self.out_spec(v, k) for k in range(len(self.strats[ru]))]
+                if ru == rv:
+                    dst = [self.strategy_of(n.id, k).in_specs[i] for k in range(len(src))]
+                    costs[self.index[rv]] += [self._reshard_time(shape, dtype, a, b) for a, b in zip(src, dst)]
+                    continue
+                dst = [self.strategy_of(n.id, k).in_specs[i] for k in range(len(self.strats[rv]))]
+                add_edge(self.index[ru], self.index[rv], self._matrix(shape, dtype, src, dst))
+        for out_i, in_j in self.aliases.items():
+            v, inp = g.outputs[out_i], g.inputs[in_j]
+            if v is None or v.node == inp:
+                continue
+            ru = self.root[v.node]
+            src = [self.out_spec(v, k) for k in range(len(self.strats[ru]))]
+            dst = [s.out_specs[0] for s in self.strats[inp]]
+            mat = np.array([[0.0 if a == b else math.inf for b in dst] for a in src])
+            add_edge(self.index[ru], self.index[inp], mat)
+        memory, liveness = self._memory()
+        edge_list = sorted(edges)
+        return SolverRequest(
+            node_names=[nodes[r].key + (f" {nodes[r].op.primitive}" if nodes[r].kind == "op" else "")
+                        for r in self.roots],
+            strategy_names=[self._names(r) for r in self.roots],
+            node_costs=[c.tolist() for c in costs],
+            edges=edge_list, edge_costs=[edges[e].tolist() for e in edge_list],
+            same_as=list(self.same_as), node_memory=memory, liveness=liveness,
+            memory_budget=memory_budget, warm_start=None, time_limit=time_limit)
+
+    def _reshard_time(self, shape, dtype, src: Spec, dst: Spec) -> float:
+        return self._reshard(shape, dtype, src, dst)[0]
+
+    def _reshard(self, shape, dtype, src: Spec, dst: Spec):
+        if src == dst:
+            return 0.0, ()
+        key = (shape, str(dtype), src, dst)
+        cache = self.__dict__.setdefault("_cache", {})
+        if key not in cache:
+            cache[key] = self.cost.reshard(shape, dtype, src, dst)
+        return cache[key]
+
+    def _matrix(self, shape, dtype, src: list[Spec], dst: list[Spec]) -> np.ndarray:
+        """Reshard seconds for every (src, dst) pair, each distinct pair priced once."""
+        us, vs = list(dict.fromkeys(src)), list(dict.fromkeys(dst))
+        ui = np.array([us.index(s) for s in src])
+        vi = np.array([vs.index(s) for s in dst])
+        small = np.array([[self._reshard_time(shape, dtype, a, b) for b in vs] for a in us])
+        return small[np.ix_(ui, vi)]
+
+    # -- memory --------------------------------------------------------------------------
+    def intervals(self) -> list[tuple[Value, int, int]]:
+        """Every array value with its live range [start, end] in program points."""
+        g, nodes = self.g, self.g.nodes
+        end_all = len(nodes)
+        last = g.last_use()
+        donated = set(self.aliases.values())
+        out = []
+        for n in nodes:
+            for k, (shape, dtype) in enumerate(zip(n.op.out_shapes, n.op.out_dtypes)):
+                if _nbytes(shape, dtype) == 0:
+                    continue
+                if n.kind == "input":
+                    end = last[n.id] if n.input_index in donated else end_all
+                    out.append((Value(n.id, k), 0, min(end, end_all)))
+                elif n.kind == "const":
+                    out.append((Value(n.id, k), 0, end_all))
+                else:
+                    out.append((Value(n.id, k), n.id, last[n.id]))
+        return out
+
+    def _value_bytes(self, v: Value, spec: Spec) -> float:
+        return float(bytes_per_device(self.g.value_shape(v), self.g.value_dtype(v), spec, self.mesh_shape))
+
+    def _memory(self) -> tuple[list[list[float]], list[list[int]]]:
+        ivs = self.intervals()
+        npts = len(self.g.nodes) + 1
+        by_group: dict[int, list] = collections.defaultdict(list)
+        diff = np.zeros(npts + 1)
+        for v, a, b in ivs:
+            by_group[self.root[v.node]].append((v, a, b))
+            size = self.g.value_bytes(v)
+            diff[a] += size
+            diff[b + 1] -= size
+        memory = []
+        for r in self.roots:
+            vals = by_group.get(r, [])
+            ev = sorted([(a, self.g.value_bytes(v)) for v, a, b in vals] +
+                        [(b + 1, -self.g.value_bytes(v)) for v, a, b in vals])
+            best_t, best, cur = 0, -1.0, 0.0
+            for t, d in ev:
+                cur += d
+                if cur > best:
+                    best, best_t = cur, t
+            live = [v for v, a, b in vals if a <= best_t <= b]
+            memory.append([sum(self._value_bytes(v, self.out_spec(v, k)) for v in live)
+                           for k in range(len(self.strats[r]))])
+        totals = np.cumsum(diff)[:npts]
+        points = np.argsort(-totals, kind="stable")[:LIVENESS_POINTS]
+        sets, seen = [], set()
+        for t in sorted(points.tolist()):
+            live = frozenset(self.index[self.root[v.node]] for v, a, b in ivs if a <= t <= b)
+            if live and live not in seen:
+                seen.add(live)
+                sets.append(sorted(live))
+        return memory, sets
+
+    # -- reading a choice back -----------------------------------------------------------
+    def node_choice(self, choice: Sequence[int]) -> list[int]:
+        """Root strategy index chosen for each graph node."""
+        return [int(choice[self.index[self.root[n.id]]]) for n in self.g.nodes]
+
+
+# ------------------------------------------------------------------------------ evaluation
+
+
+def _predict(p: _Problem, root_choice: list[int]) -> tuple[Prediction, dict[str, Spec], list[str]]:
+    """Collectives, times, memory and constraints of one full assignment."""
+    g, nodes, cost = p.g, p.g.nodes, p.cost
+    colls: list[Collective] = []
+    compute = 0.0
+    fallbacks: collections.Counter = collections.Counter()
+    constraints: dict[str, Spec] = {}
+    resharded: set = set()
+    for n in nodes:
+        s = p.strategy_of(n.id, root_choice[n.id])
+        if n.kind != "op":
+            continue
+        if s.fallback:
+            fallbacks[n.op.primitive] += 1
+        compute += cost.compute(s.flops, _dtype(n.op)) if s.flops else 0.0
+        colls.extend(s.collectives)
+        for k, spec in enumerate(s.out_specs):
+            if _nbytes(n.op.out_shapes[k], n.op.out_dtypes[k]) >= max(p.small_bytes, 1):
+                constraints[value_key(n.path, k)] = spec
+        for i, v in enumerate(n.operands):
+            if v is None:
+                continue
+            src, dst = p.out_spec(v, root_choice[v.node]), s.in_specs[i]
+            if src == dst or (v, dst) in resharded:
+                continue
+            resharded.add((v, dst))
+            t, cs = p._reshard(g.value_shape(v), g.value_dtype(v), src, dst)
+            colls.extend(cs)
+            if cs and g.value_bytes(v) >= max(p.small_bytes, 1):
+                constraints[operand_key(n.path, i)] = dst
+    summary = {k: (0, 0.0) for k in COLLECTIVE_KINDS}
+    for c in colls:
+        cnt, b = summary.get(c.kind, (0, 0.0))
+        summary[c.kind] = (cnt + 1, b + c.bytes)
+    comm = sum(cost.time(c) for c in colls)
+    peak = _peak_memory(p, root_choice)
+    pred = Prediction(compute, comm, compute + comm, summary, peak)
+    return pred, constraints, [f"{k} x{c}" for k, c in sorted(fallbacks.items())]
+
+
+def _peak_memory(p: _Problem, root_choice: list[int]) -> float:
+    diff = np.zeros(len(p.g.nodes) + 2)
+    for v, a, b in p.intervals():
+        size = p._value_bytes(v, p.out_spec(v, root_choice[v.node]))
+        diff[a] += size
+        diff[b + 1] -= size
+    return float(np.cumsum(diff).max()) if len(diff) else 0.0
+
+
+def _result(p: _Problem, res: SolverResult, stats: dict) -> AutoResult:
+    root_choice = p.node_choice(res.choice)
+    g = p.g
+    pred, constraints, fallbacks = _predict(p, root_choice)
+    ins = [p.out_spec(Value(i, 0), root_choice[i]) for i in g.inputs]
+    outs = []
+    for v, lit in zip(g.outputs, g.output_literals):
+        outs.append(p.out_spec(v, root_choice[v.node]) if v is not None
+                    else replicated(np.ndim(lit)))
+    return AutoResult(ins, outs, pred, res, stats, fallbacks, constraints)
+
+
+# ------------------------------------------------------------------------------ entry points
+
+
+def _solve(p: _Problem, memory_budget, time_limit, warm: list[int] | None = None) -> tuple[SolverResult, SolverRequest]:
+    req = p.request(memory_budget, time_limit)  # None: no memory constraint
+    req.warm_start = warm
+    return solve(req), req
+
+
+def search(closed_jaxpr, inputs: Sequence[InputInfo], mesh: DeviceMesh, *,
+           output_aliases: Mapping[int, int] = {}, memory_budget: float | None = None,
+           time_limit: float = 30.0, warm_start: Sequence[Spec] | None = None,
+           share_layers: bool = True) -> AutoResult:
+    """Search the sharding of every tensor of a traced train step.
+
+    Args:
+      closed_jaxpr: the whole step (forward, backward, update), e.g. from ``jax.make_jaxpr``.
+      inputs: one InputInfo per flat input, in order.
+      mesh: the cluster to plan for.
+      output_aliases: ``{output index: input index}`` for outputs that are the new value of
+        an input (parameters, optimizer state): their specs are made equal.
+      memory_budget: bytes per device (default: the device's memory).
+      time_limit: solver seconds.
+      warm_start: input specs of a known-good plan; the plan it implies (intermediates
+        chosen with inputs pinned) seeds the solver.
+
+    Raises:
+      InfeasibleError: no plan fits the memory budget.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from spmd.mesh import make_mesh
+    >>> f = lambda w, x: jnp.tanh(x @ w).sum()
+    >>> cj = jax.make_jaxpr(f)(jnp.ones((64, 64)), jnp.ones((512, 64)))
+    >>> res = search(cj, [InputInfo("w", (64, 64), "float32", "param"),
+    ...                   InputInfo("x", (512, 64), "float32", "batch")], make_mesh({"data": 4}))
+    >>> res.input_specs[1]
+    (('data',), ())
+    """
+    start = time.perf_counter()
+    graph = build_graph(closed_jaxpr)
+    pins = [i.pinned for i in inputs]
+    p = _Problem(graph, inputs, mesh, CostModel(mesh), pins, output_aliases, share_layers)
+    warm = None
+    if warm_start is not None and all(s is not None for s in warm_start):
+        try:
+            warm = _warm_choice(p, closed_jaxpr, graph, inputs, mesh, warm_start, output_aliases,
+                                memory_budget, time_limit)
+        except Exception:  # a hint only: an infeasible or unmappable hand plan is skipped
+            warm = None
+    budget = mesh.device.memory_bytes if memory_budget is None else memory_budget
+    res, req = _solve(p, float(budget), time_limit, warm)
+    stats = _stats(graph, p, req, res, time.perf_counter() - start)
+    stats["warm_start"] = warm is not None
+    return _result(p, res, stats)
+
+
+def _warm_choice(p: _Problem, closed_jaxpr, graph, inputs, mesh, specs, aliases, budget,
+                 time_limit) -> list[int] | None:
+    pins = [i.pinned if i.pinned is not None else tuple(tuple(a) for a in s)
+            for i, s in zip(inputs, specs)]
+    q = _Problem(graph, inputs, mesh, p.cost, pins, aliases, share_layers=False)
+    res, _ = _solve(q, None, min(time_limit, 10.0))
+    chosen = q.node_choice(res.choice)
+    warm = []
+    for r in p.roots:
+        name = q.strategy_of(r, chosen[r]).name
+        names = p._names(r)
+        if name not in names:
+            return None
+        warm.append(names.index(name))
+    # Tied nodes must agree with their representative.
+    for i, rep in enumerate(p.same_as):
+        if rep >= 0:
+            warm[i] = warm[rep]
+    return warm
+
+
+def _stats(graph: Graph, p: _Problem, req: SolverRequest, res: SolverResult, seconds: float) -> dict:
+    free = [i for i, s in enumerate(req.same_as) if s < 0]
+    return {
+        "graph_nodes": len(graph.nodes), "graph_edges": graph.num_edges,
+        "graph_ops": sum(1 for n in graph.nodes if n.kind == "op"),
+        "solver_nodes": len(req.node_names), "solver_edges": len(req.edges),
+        "free_nodes": len(free),
+        "variables": int(sum(len(req.strategy_names[i]) for i in free
+                             if len(req.strategy_names[i]) > 1)),
+        "followers_merged": p.stats["followers_merged"], "small": p.stats["small"],
+        "tied": p.stats["tied"], "liveness_sets": len(req.liveness),
+        "small_bytes": p.small_bytes, "search_seconds": seconds,
+        "solve_seconds": res.solve_time, "status": res.status,
+    }
+
+
+def score(closed_jaxpr, inputs: Sequence[InputInfo], mesh: DeviceMesh,
+          input_specs: Sequence[Spec], *, output_aliases: Mapping[int, int] = {},
+          time_limit: float = 10.0) -> Prediction:
+    """Score a hand-written plan with the search's own model: inputs pinned to
+    ``input_specs``, intermediates chosen by the integer program (no memory budget)."""
+    return score_result(closed_jaxpr, inputs, mesh, input_specs, output_aliases=output_aliases,
+                        time_limit=time_limit).prediction
+
+
+def score_result(closed_jaxpr, inputs: Sequence[InputInfo], mesh: DeviceMesh,
+                 input_specs: Sequence[Spec], *, output_aliases: Mapping[int, int] = {},
+                 time_limit: float = 10.0) -> AutoResult:
+    """Like ``score``, returning the whole AutoResult (constraints included)."""
+    start = time.perf_counter()
+    graph = build_graph(closed_jaxpr)
+    pins = [tuple(tuple(a) for a in s) for s in input_specs]
+    p = _Problem(graph, inputs, mesh, CostModel(mesh), pins, output_aliases, share_layers=False)
+    res, req = _solve(p, None, time_limit)
+    return _result(p, res, _stats(graph, p, req, res, time.perf_counter() - start))

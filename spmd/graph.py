@@ -1,0 +1,291 @@
+"""The train step's jaxpr as a flat graph of ops, the unit the sharding search works on.
+
+Nested jaxprs that only group code (``jit``/``pjit``, ``custom_jvp_call``,
+``custom_vjp_call``, ``remat``/``checkpoint``, ``closed_call``/``core_call``) are inlined,
+so a layer's matmul is one node whatever wrapped it. Loops and branches (``scan``,
+``while``, ``cond``) stay one node each; the rules give them a replicated fallback.
+
+Every graph input (a flattened argument of the step) and every constant is a node too, of
+kind ``"input"`` or ``"const"``; literals (Python scalars baked into an equation) are not
+nodes and have no edges. A node's *path* names its equation: ``(17,)`` is equation 17 of the
+top jaxpr, ``(17, 3)`` equation 3 of the jaxpr nested in equation 17. ``walk`` visits the
+equations in the same order and with the same paths, so the interpreter in ``spmd.apply``
+and the graph agree on names.
+
+>>> import jax, jax.numpy as jnp
+>>> g = build_graph(jax.make_jaxpr(lambda w, x: jnp.tanh(x @ w))(jnp.ones((4, 2)), jnp.ones((3, 4))))
+>>> [n.op.primitive if n.op else n.kind for n in g.nodes]
+['input', 'input', 'dot_general', 'tanh']
+>>> g.num_edges
+3
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+from jax.extend import core as jcore
+
+from spmd.rules import Op
+
+# Primitive name -> the param holding the jaxpr to inline. Only primitives whose body runs
+# once, in place: the graph and the interpreter treat them as plain code.
+INLINE_PARAMS: dict[str, tuple[str, ...]] = {
+    "pjit": ("jaxpr",),
+    "jit": ("jaxpr",),
+    "closed_call": ("call_jaxpr",),
+    "core_call": ("call_jaxpr",),
+    "custom_jvp_call": ("call_jaxpr",),
+    "custom_vjp_call": ("call_jaxpr", "fun_jaxpr"),
+    "custom_vjp_call_jaxpr": ("fun_jaxpr", "call_jaxpr"),
+    "remat": ("jaxpr",),
+    "remat2": ("jaxpr",),
+    "checkpoint": ("jaxpr",),
+}
+
+Path = tuple[int, ...]
+
+
+def inner_jaxpr(eqn) -> tuple[Any, Sequence[Any]] | None:
+    """The (open jaxpr, consts) an inlinable equation runs, or None for any other equation."""
+    for name in INLINE_PARAMS.get(eqn.primitive.name, ()):
+        sub = eqn.params.get(name)
+        if sub is None:
+            continue
+        if hasattr(sub, "jaxpr") and hasattr(sub, "consts"):  # ClosedJaxpr
+            return sub.jaxpr, sub.consts
+        if hasattr(sub, "eqns"):  # open Jaxpr (remat)
+            return sub, ()
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Value:
+    """One array of the program: output ``index`` of node ``node``."""
+
+    node: int
+    index: int
+
+
+@dataclasses.dataclass
+class Node:
+    """One op, graph input or constant.
+
+    Attributes:
+      id: position in ``Graph.nodes`` (a topological order: jaxpr order, inlined).
+      kind: ``"op"``, ``"input"`` (argument ``input_index`` of the step) or ``"const"``.
+      op: what the rules see (for inputs and constants: a pseudo-op ``"input"``/``"const"``
+        with one output).
+      operands: per operand of the op, the Value it reads, or None for a literal.
+      consumers: ids of nodes reading any output of this node (each once, in order).
+      path: equation path (see module docstring); ``()`` for inputs and constants.
+      name: the equation's name stack, e.g. ``jvp(Block_0)/transpose(jvp())``, or "".
+    """
+
+    id: int
+    kind: str
+    op: Op
+    operands: tuple[Value | None, ...]
+    consumers: list[int]
+    path: Path
+    name: str = ""
+    input_index: int = -1
+
+    @property
+    def key(self) -> str:
+        return key_of(self.path) if self.kind == "op" else f"{self.kind} {self.input_index if self.kind == 'input' else self.id}"
+
+
+def key_of(path: Path) -> str:
+    """Stable name of an equation: ``"eqn 17"`` or ``"eqn 17.3"``."""
+    return "eqn " + ".".join(str(i) for i in path)
+
+
+def value_key(path: Path, index: int) -> str:
+    """Stable name of an equation's output, used as a constraint key."""
+    return f"{key_of(path)} out {index}"
+
+
+def operand_key(path: Path, index: int) -> str:
+    """Stable name of the value an equation reads as operand ``index`` (a reshard point)."""
+    return f"{key_of(path)} in {index}"
+
+
+@dataclasses.dataclass
+class Graph:
+    nodes: list[Node]
+    inputs: list[int]                  # node id of each top-level invar
+    outputs: list[Value | None]        # the Value of each top-level outvar (None: literal)
+    output_literals: list[Any]
+
+    @property
+    def num_edges(self) -> int:
+        return sum(1 for n in self.nodes for v in n.operands if v is not None)
+
+    def value_shape(self, v: Value) -> tuple[int, ...]:
+        return self.nodes[v.node].op.out_shapes[v.index]
+
+    def value_dtype(self, v: Value):
+        return self.nodes[v.node].op.out_dtypes[v.index]
+
+    def value_bytes(self, v: Value) -> int:
+        return int(np.prod(self.value_shape(v), dtype=np.int64)) * np.dtype(self.value_dtype(v)).itemsize
+
+    def size(self) -> dict[str, int]:
+        ops = sum(1 for n in self.nodes if n.kind == "op")
+        return {"nodes": len(self.nodes), "ops": ops, "edges": self.num_edges}
+
+    def last_use(self) -> list[int]:
+        """Per node, the id of the last node reading it (itself if unread; len(nodes) for outputs)."""
+        last = [n.id for n in self.nodes]
+        for n in self.nodes:
+            for v in n.operands:
+                if v is not None:
+                    last[v.node] = max(last[v.node], n.id)
+        for v in self.outputs:
+            if v is not None:
+                last[v.node] = len(self.nodes)
+        return last
+
+
+def _aval(var) -> tuple[tuple[int, ...], Any]:
+    aval = var.aval
+    shape = tuple(int(d) for d in getattr(aval, "shape", ()))
+    dtype = getattr(aval, "dtype", np.dtype("float32"))
+    return shape, dtype
+
+
+def walk(jaxpr, path: Path = ()) -> Iterator[tuple[Path, Any]]:
+    """Every non-inlined equation with its path, inlined ones recursed into, in program order."""
+    for i, eqn in enumerate(jaxpr.eqns):
+        inner = inner_jaxpr(eqn)
+        if inner is None:
+            yield path + (i,), eqn
+        else:
+            yield from walk(inner[0], path + (i,))
+
+
+def build_graph(closed_jaxpr) -> Graph:
+    """Flatten a ClosedJaxpr (the whole train step) into a Graph; see the module docstring."""
+    nodes: list[Node] = []
+    env: dict[Any, Value] = {}
+
+    def add(kind: str, op: Op, operands, path: Path, name: str = "", input_index: int = -1) -> Node:
+        node = Node(len(nodes), kind, op, tuple(operands), [], path, name, input_index)
+        nodes.append(node)
+        for v in operands:
+            if v is not None and (not nodes[v.node].consumers or nodes[v.node].consumers[-1] != node.id):
+                nodes[v.node].consumers.append(node.id)
+        return node
+
+    def leaf(var, kind: str, input_index: int = -1) -> None:
+        shape, dtype = _aval(var)
+        op = Op(kind, {}, (), (), (shape,), (dtype,))
+        env[var] = Value(add(kind, op, (), (), input_index=input_index).id, 0)
+
+    def read(atom) -> Value | None:
+        if isinstance(atom, jcore.Literal):
+            return None
+        return env[atom]
+
+    def run(jaxpr, consts: Sequence[Any], args: Sequence[Value | None], path: Path) -> list[Value | None]:
+        for var, c in zip(jaxpr.constvars, consts):
+            leaf(var, "const")
+        for var, a in zip(jaxpr.invars, args):
+            if a is not None:
+                env[var] = a
+            else:
+                leaf(var, "const")  # a literal passed into an inlined call
+        for i, eqn in enumerate(jaxpr.eqns):
+            operands = [read(a) for a in eqn.invars]
+            inner = inner_jaxpr(eqn)
+            if inner is not None:
+                outs = run(inner[0], inner[1], operands, path + (i,))
+                for var, v in zip(eqn.outvars, outs):
+                    if v is None:
+                        leaf(var, "const")
+                    else:
+                        env[var] = v
+                continue
+            op = Op.from_eqn(eqn)
+            node = add("op", op, operands, path + (i,), _name_stack(eqn))
+            for k, var in enumerate(eqn.outvars):
+                env[var] = Value(node.id, k)
+        return [read(a) for a in jaxpr.outvars]
+
+    jaxpr = closed_jaxpr.jaxpr
+    for var, c in zip(jaxpr.constvars, closed_jaxpr.consts):
+        leaf(var, "const")
+    inputs = []
+    for i, var in enumerate(jaxpr.invars):
+        leaf(var, "input", i)
+        inputs.append(env[var].node)
+    outs = run(jaxpr, (), [env[v] for v in jaxpr.invars], ())
+    literals = [a.val if isinstance(a, jcore.Literal) else None for a in jaxpr.outvars]
+    return Graph(nodes, inputs, outs, literals)
+
+
+def _name_stack(eqn) -> str:
+    try:
+        return str(eqn.source_info.name_stack)
+    except Exception:  # the field is informational only
+        return ""
+
+
+def eval_jaxpr_with(jaxpr, consts: Sequence[Any], args: Sequence[Any],
+                    hook: Callable[[Path, Any, list[Any]], list[Any]],
+                    operand_hook: Callable[[Path, list[Any]], list[Any]] | None = None,
+                    path: Path = ()) -> list[Any]:
+    """Evaluate a jaxpr, inlining what ``build_graph`` inlines.
+
+    ``operand_hook(path, args)`` may replace an equation's operands before it runs and
+    ``hook(path, eqn, outs)`` its outputs after (the interpreter of ``spmd.apply``).
+    """
+    import jax
+
+    env: dict[Any, Any] = {}
+
+    def read(atom):
+        return atom.val if isinstance(atom, jcore.Literal) else env[atom]
+
+    for var, c in zip(jaxpr.constvars, consts):
+        env[var] = c
+    for var, a in zip(jaxpr.invars, args):
+        env[var] = a
+    for i, eqn in enumerate(jaxpr.eqns):
+        here = path + (i,)
+        invals = [read(a) for a in eqn.invars]
+        inner = inner_jaxpr(eqn)
+        if inner is not None:
+            if eqn.primitive.name in ("remat", "remat2", "checkpoint"):
+                invals = _remat_barrier(eqn, invals, jax)
+            outs = eval_jaxpr_with(inner[0], inner[1], invals, hook, operand_hook, here)
+        else:
+            if operand_hook is not None:
+                invals = operand_hook(here, invals)
+            outs = eqn.primitive.bind(*invals, **eqn.params)
+            outs = list(outs) if eqn.primitive.multiple_results else [outs]
+            outs = hook(here, eqn, outs)
+        for var, val in zip(eqn.outvars, outs):
+            env[var] = val
+    return [read(a) for a in jaxpr.outvars]
+
+
+def _remat_barrier(eqn, invals: list[Any], jax) -> list[Any]:
+    """What remat's lowering does: an optimization barrier on the inputs of a differentiated
+    checkpoint, so XLA does not merge the recomputation with the forward pass."""
+    prevent = eqn.params.get("prevent_cse", True)
+    if not eqn.params.get("differentiated", False):
+        return invals
+    if isinstance(prevent, bool):
+        prevent = (prevent,) * len(invals)
+    idx = [i for i, p in enumerate(prevent) if p]
+    if not idx:
+        return invals
+    barred = jax.lax.optimization_barrier([invals[i] for i in idx])
+    out = list(invals)
+    for i, v in zip(idx, barred):
+        out[i] = v
+    return out
