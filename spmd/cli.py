@@ -202,7 +202,7 @@ def launch(
 def main(argv: Optional[List[str]] = None) -> None:
     """Console entry point: user errors become one line on stderr, exit status 2."""
     try:
-        app(args=argv, standalone_mode=False)
+        code = app(args=argv, standalone_mode=False)  # click returns Exit's code here
     except SpmdError as err:
         typer.secho(f"error: {err}", err=True, fg=typer.colors.RED)
         sys.exit(2)
@@ -217,6 +217,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         if isinstance(err, click.exceptions.Abort):
             sys.exit(1)
         raise
+    sys.exit(code or 0)
 
 
 if __name__ == "__main__":
