@@ -7,8 +7,10 @@ from typing import Any, Callable, Sequence
 import jax
 from flax import nnx
 
+from spmd.apply import constrained
 from spmd.errors import PlanError
 from spmd.manual import METHODS, manual_specs
+from spmd.search import SearchOptions, auto_plan, predict_manual
 from spmd.mesh import DeviceMesh
 from spmd.plan import Plan
 from spmd.sharding import Spec, replicated
@@ -29,10 +31,14 @@ def _output_specs(sig: StepSignature, input_specs: Sequence[Spec]) -> list[Spec 
     return specs
 
 
-def plan(step_fn: Callable, *example_args: Any, mesh: DeviceMesh, method: str = "dp",
-         logical_axes: Any = None, batch_argnums: Sequence[int] = (-1,)) -> Plan:
+def plan(step_fn: Callable, *example_args: Any, mesh: DeviceMesh, method: str = "auto",
+         logical_axes: Any = None, batch_argnums: Sequence[int] = (-1,),
+         options: SearchOptions | None = None) -> Plan:
     """Plan how to shard ``step_fn`` on ``mesh``. Arguments may be concrete or abstract
     (``jax.ShapeDtypeStruct`` leaves, ``nnx.eval_shape`` models).
+
+    ``method`` is ``"auto"`` (searched; see :class:`SearchOptions`) or a hand-written plan
+    from ``spmd.manual.METHODS``.
 
     >>> import spmd, jax.numpy as jnp
     >>> mesh = spmd.make_mesh({"data": 2}, virtual=True)
@@ -41,13 +47,22 @@ def plan(step_fn: Callable, *example_args: Any, mesh: DeviceMesh, method: str = 
     >>> [str(s.spec) for s in jax.tree.leaves(p.in_shardings)]
     ['P()', "P('data',)"]
     """
+    _check_method(method)
     sig = StepSignature(step_fn, example_args, logical_axes=logical_axes,
                         batch_argnums=batch_argnums)
-    if method not in METHODS:
-        raise PlanError(f"unknown method {method!r}; valid methods: {', '.join(METHODS)}")
+    if method == "auto":
+        return auto_plan(sig, mesh, options or SearchOptions())
     input_specs = manual_specs(sig.leaves, method, mesh)
-    return Plan(method=method, mesh=mesh, leaves=sig.leaves, input_specs=input_specs,
-                output_specs=_output_specs(sig, input_specs), signature=sig)
+    result = Plan(method=method, mesh=mesh, leaves=sig.leaves, input_specs=input_specs,
+                  output_specs=_output_specs(sig, input_specs), signature=sig)
+    if options is not None and options.compare:  # scoring costs a solve: only when asked
+        result.prediction = predict_manual(sig, mesh, method, options).to_dict()
+    return result
+
+
+def _check_method(method: str) -> None:
+    if method != "auto" and method not in METHODS:
+        raise PlanError(f"unknown method {method!r}; valid methods: auto, {', '.join(METHODS)}")
 
 
 class ParallelStep:
@@ -57,15 +72,16 @@ class ParallelStep:
     NNX graph nodes passed in are updated in place, as the user's step would have done.
     """
 
-    def __init__(self, step_fn: Callable, mesh: DeviceMesh, method: str = "dp", *,
+    def __init__(self, step_fn: Callable, mesh: DeviceMesh, method: str = "auto", *,
                  logical_axes: Any = None, batch_argnums: Sequence[int] = (-1,),
-                 donate: bool | None = None) -> None:
+                 donate: bool | None = None, options: SearchOptions | None = None) -> None:
         self.step_fn = step_fn
         self.mesh = mesh
         self.method = method
         self.logical_axes = logical_axes
         self.batch_argnums = batch_argnums
         self.donate = donate
+        self.options = options
         self._compiled: dict[Any, tuple[Plan, Any]] = {}
         self._last: Plan | None = None
 
@@ -88,11 +104,16 @@ class ParallelStep:
         key = self._key(args)
         if key not in self._compiled:
             p = plan(self.step_fn, *args, mesh=self.mesh, method=self.method,
-                     logical_axes=self.logical_axes, batch_argnums=self.batch_argnums)
+                     logical_axes=self.logical_axes, batch_argnums=self.batch_argnums,
+                     options=self.options)
             sig = p.signature
             donate = self.donate if self.donate is not None else sig.graphdef is not None
             donated = tuple(sorted(set(sig.output_aliases.values()))) if donate else ()
-            jitted = jax.jit(sig.flat_fn, in_shardings=tuple(p.input_shardings_flat()),
+            fn = sig.flat_fn
+            if p.constraints:
+                run = constrained(p.jaxpr, p.constraints, p._sharding_mesh())
+                fn = lambda *leaves: tuple(run(*leaves))  # noqa: E731 (jit wants a tuple)
+            jitted = jax.jit(fn, in_shardings=tuple(p.input_shardings_flat()),
                              out_shardings=tuple(p.output_shardings_flat()),
                              donate_argnums=donated)
             self._compiled[key] = (p, jitted)
@@ -122,18 +143,18 @@ class ParallelStep:
         return p.signature.unflatten_outputs(args, flat_out)
 
 
-def parallelize(step_fn: Callable, *, mesh: DeviceMesh, method: str = "dp",
+def parallelize(step_fn: Callable, *, mesh: DeviceMesh, method: str = "auto",
                 logical_axes: Any = None, batch_argnums: Sequence[int] = (-1,),
-                donate: bool | None = None) -> ParallelStep:
+                donate: bool | None = None, options: SearchOptions | None = None
+                ) -> ParallelStep:
     """Wrap ``step_fn`` so each call runs sharded under a plan for ``mesh``.
 
     ``donate`` (default: True for NNX steps, whose state spmd writes back, False otherwise)
     lets XLA reuse the input state's buffers for the new state.
     """
-    if method not in METHODS:
-        raise PlanError(f"unknown method {method!r}; valid methods: {', '.join(METHODS)}")
+    _check_method(method)
     return ParallelStep(step_fn, mesh, method, logical_axes=logical_axes,
-                        batch_argnums=batch_argnums, donate=donate)
+                        batch_argnums=batch_argnums, donate=donate, options=options)
 
 
 def materialize(create_fn: Callable[[], Any], p: Plan) -> Any:

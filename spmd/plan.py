@@ -52,6 +52,7 @@ class Plan:
     measured: dict | None = None
     signature: StepSignature | None = dataclasses.field(default=None, repr=False)
     jax_mesh: Any = dataclasses.field(default=None, repr=False)
+    jaxpr: Any = dataclasses.field(default=None, repr=False)  # the traced step (auto plans)
 
     # -- shardings -----------------------------------------------------------------------------
     def _sharding_mesh(self):
@@ -100,7 +101,10 @@ class Plan:
 
     def attach_measured(self, report) -> None:
         """Record what the compiled program did (a spmd.analyze Report) beside the prediction."""
-        self.measured = report.to_dict()
+        full = report.to_dict()
+        self.measured = {
+            "collectives": {k: [v["count"], v["bytes"]] for k, v in full["collectives"].items()},
+            "memory": full["memory"], "flops": full["flops"]}
 
     # -- explanation ---------------------------------------------------------------------------
     def describe(self, max_rows: int | None = 60) -> str:
@@ -136,6 +140,9 @@ class Plan:
             console.print(self._prediction_table())
         if self.measured and self.prediction:
             console.print(self._measured_table())
+        elif self.measured and self.measured.get("memory"):
+            console.print(f"compiled: peak {self.measured['memory']['peak_bytes'] / 2**20:.2f} "
+                          f"MiB per device")
         return buf.getvalue()
 
     def _prediction_table(self):
@@ -159,7 +166,8 @@ class Plan:
     def _measured_table(self):
         from rich.table import Table
 
-        table = Table(title="collectives: predicted vs compiled HLO (per device)")
+        table = Table(title="predicted vs compiled HLO (per device; XLA may combine "
+                      "collectives, so compare bytes)")
         for col in ("kind", "pred count", "pred MiB", "HLO count", "HLO MiB"):
             table.add_column(col, justify="left" if col == "kind" else "right")
         pred = self.prediction["collectives"]
@@ -169,6 +177,9 @@ class Plan:
             mc, mb = meas.get(kind, (0, 0))
             if pc or mc:
                 table.add_row(kind, str(pc), f"{pb / 2**20:.3f}", str(mc), f"{mb / 2**20:.3f}")
+        if self.measured.get("memory"):
+            table.add_row("peak memory", "", f"{self.prediction['memory_bytes'] / 2**20:.3f}", "",
+                          f"{self.measured['memory']['peak_bytes'] / 2**20:.3f}")
         return table
 
     # -- persistence ---------------------------------------------------------------------------

@@ -1,0 +1,159 @@
+"""``method="auto"``: trace the step, search its sharding, and explain the result beside the
+hand-written plans scored by the same cost model. Plans are cached as JSON, keyed by the
+step's jaxpr, the mesh and the options, so a second run skips the search.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Mapping
+
+import jax
+
+from spmd.auto import InputInfo, Prediction, score, search
+from spmd.errors import PlanError
+from spmd.manual import METHODS, ManualMethod, applicable_methods, leaf_spec, manual_specs
+from spmd.mesh import DeviceMesh
+from spmd.plan import FORMAT_VERSION, Plan
+from spmd.signature import StepSignature
+
+CACHE_ENV = "SPMD_CACHE_DIR"
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchOptions:
+    """How ``method="auto"`` searches.
+
+    Attributes:
+      memory_budget: bytes per device a plan may use (default: the device's memory).
+      time_limit: seconds the solver may spend; past it, the best plan found is used and a
+        warning says so.
+      compare: score every applicable hand-written plan with the same cost model (shown by
+        ``Plan.describe``; the best one also warm-starts the solver).
+      rules: logical axis name -> mesh axes the user fixes (Flax-style logical rules);
+        parameters with a named dimension covered here are pinned, the rest is searched.
+      cache: reuse a saved plan for the same jaxpr, mesh and options.
+      cache_dir: where plans are saved (default ``$SPMD_CACHE_DIR`` or ~/.cache/spmd/plans).
+    """
+
+    memory_budget: float | None = None
+    time_limit: float = 20.0
+    compare: bool = True
+    rules: Mapping[str, tuple[str, ...]] | None = None
+    cache: bool = True
+    cache_dir: str | None = None
+
+    def directory(self) -> Path:
+        default = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "spmd" / "plans"
+        return Path(self.cache_dir or default)
+
+
+def _inputs(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions) -> list[InputInfo]:
+    pins_from_rules = None
+    if options.rules:
+        rules = {k: (v,) if isinstance(v, str) else tuple(v or ()) for k, v in options.rules.items()}
+        pins_from_rules = ManualMethod("rules", "user's logical rules", (), rules)
+    out = []
+    for leaf in sig.leaves:
+        pinned = leaf.pinned
+        if (pinned is None and pins_from_rules is not None and leaf.logical
+                and leaf.kind in ("param", "optimizer")
+                and any(n in pins_from_rules.params for n in leaf.logical if n)):
+            pinned = leaf_spec(leaf, pins_from_rules, mesh)
+        out.append(InputInfo(leaf.path, leaf.shape, leaf.dtype, leaf.kind, pinned))
+    return out
+
+
+def _cache_key(jaxpr, inputs: list[InputInfo], mesh: DeviceMesh, options: SearchOptions) -> str:
+    digest = hashlib.sha256()
+    digest.update(str(jaxpr).encode())
+    digest.update(repr([(i.path, i.shape, str(i.dtype), i.kind, i.pinned) for i in inputs])
+                  .encode())
+    digest.update(repr((mesh.axis_names, mesh.axis_sizes, sorted(mesh.links.items()),
+                        mesh.device, options.memory_budget, FORMAT_VERSION)).encode())
+    return digest.hexdigest()[:32]
+
+
+def _warn_trivial_axes(mesh: DeviceMesh) -> None:
+    if mesh.size == 1:
+        warnings.warn(f"mesh {mesh.name!r} has one device: every plan is the same (nothing is "
+                      f"split); the step runs unsharded", stacklevel=3)
+        return
+    ones = [a for a, s in mesh.shape.items() if s == 1]
+    if ones:
+        warnings.warn(f"mesh {mesh.name!r}: axis {', '.join(ones)} has size 1 and cannot split "
+                      f"anything; it is ignored", stacklevel=3)
+
+
+def predict_manual(sig: StepSignature, mesh: DeviceMesh, method: str,
+                   options: SearchOptions, jaxpr=None) -> Prediction:
+    """The cost model's view of a hand-written plan (intermediates chosen by the ILP)."""
+    jaxpr = jaxpr if jaxpr is not None else jax.make_jaxpr(sig.flat_fn)(*sig.in_avals)
+    specs = manual_specs(sig.leaves, method, mesh)
+    return score(jaxpr, _inputs(sig, mesh, options), mesh, specs,
+                 output_aliases=sig.output_aliases, time_limit=min(options.time_limit, 10.0))
+
+
+def auto_plan(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions) -> Plan:
+    """Search a plan for the step (or load it from the cache)."""
+    _warn_trivial_axes(mesh)
+    jaxpr = jax.make_jaxpr(sig.flat_fn)(*sig.in_avals)
+    inputs = _inputs(sig, mesh, options)
+    key = _cache_key(jaxpr, inputs, mesh, options)
+    path = options.directory() / f"{key}.json"
+    if options.cache and path.exists():
+        try:
+            cached = Plan.from_dict(json.loads(path.read_text()), mesh)
+        except (ValueError, KeyError, TypeError):
+            cached = None
+        if cached is not None and len(cached.input_specs) == len(sig.leaves):
+            cached.leaves, cached.signature, cached.jaxpr = sig.leaves, sig, jaxpr
+            cached.search = {**(cached.search or {}), "cache": f"loaded {path}"}
+            return cached
+    alternatives: dict[str, Any] = {}
+    best: tuple[float, str] | None = None
+    if options.compare and mesh.size > 1:
+        for name, why_not in applicable_methods(sig.leaves, mesh).items():
+            if why_not:
+                alternatives[name] = f"does not apply: {why_not}"
+                continue
+            try:
+                pred = predict_manual(sig, mesh, name, options, jaxpr)
+            except PlanError as err:  # the cost model cannot express this hand-written plan
+                alternatives[name] = f"not scored: {err}"
+                continue
+            alternatives[name] = pred.to_dict()
+            if best is None or pred.total_time < best[0]:
+                best = (pred.total_time, name)
+    warm = manual_specs(sig.leaves, best[1], mesh) if best else None
+    result = search(jaxpr, inputs, mesh, output_aliases=sig.output_aliases,
+                    memory_budget=options.memory_budget, time_limit=options.time_limit,
+                    warm_start=warm)
+    solver = result.solver
+    if solver is not None and solver.timed_out:
+        warnings.warn(f"the sharding search reached its time limit ({options.time_limit:g} s); "
+                      f"using the best plan found (objective {solver.objective:.4g} s, bound "
+                      f"{solver.bound:.4g} s). Raise SearchOptions.time_limit for a better one",
+                      stacklevel=3)
+    stats = dict(result.stats)
+    if solver is not None:
+        stats.update(objective=solver.objective, bound=solver.bound, status=solver.status)
+    stats["fallbacks"] = result.fallbacks
+    stats["warm_start_from"] = best[1] if best else None
+    planned = Plan(method="auto", mesh=mesh, leaves=sig.leaves, input_specs=result.input_specs,
+                   output_specs=list(result.output_specs), prediction=result.prediction.to_dict(),
+                   search=stats, constraints=dict(result.constraints), alternatives=alternatives,
+                   signature=sig, jaxpr=jaxpr)
+    if options.cache:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            planned.save(path)
+        except OSError as err:
+            warnings.warn(f"could not save the plan cache {path}: {err}", stacklevel=3)
+    return planned
+
