@@ -5,6 +5,7 @@ step (``parallelize``), initialization into shardings (``materialize``), and the
 what XLA emitted (``analyze``).
 """
 
+from spmd.analyze import analyze as analyze  # binds the function over the submodule name
 from spmd.data import process_local_batch as process_local_batch
 from spmd.data import shard_batch as shard_batch
 from spmd.errors import InfeasibleError as InfeasibleError
@@ -20,17 +21,11 @@ from spmd.parallelize import materialize as materialize
 from spmd.parallelize import parallelize as parallelize
 from spmd.parallelize import plan as plan
 from spmd.plan import Plan as Plan
+from spmd.search import SearchOptions as SearchOptions
 
 __all__ = [
-    "DeviceMesh", "InfeasibleError", "MeshError", "ParallelStep", "Plan", "PlanError",
+    "DeviceMesh", "InfeasibleError", "MeshError", "ParallelStep", "Plan", "PlanError", "SearchOptions",
     "SpmdError", "analyze", "init_distributed", "load_mesh", "make_mesh", "materialize",
     "parallelize", "plan", "process_local_batch",
     "shard_batch",
 ]
-
-
-def analyze(compiled):
-    """Collectives, bytes, memory and FLOPs of a compiled step (see spmd.analyze)."""
-    from spmd.analyze import analyze as _analyze
-
-    return _analyze(compiled)
