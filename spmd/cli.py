@@ -50,11 +50,14 @@ def _say(message: str) -> None:
 def run(
     model: str = typer.Option(DEFAULT_MODEL, help="model name (see `spmd models`)"),
     mesh: Path = typer.Option(Path(DEFAULT_MESH), help="mesh file (see `spmd meshes`)"),
-    method: str = typer.Option("dp_tp", help="plan: dp, zero, fsdp, tp, dp_tp, fsdp_tp, ep"),
+    method: str = typer.Option("auto", help="auto (searched), or dp, zero, fsdp, tp, dp_tp, "
+                               "fsdp_tp, ep"),
+    time_limit: float = typer.Option(20.0, help="seconds the sharding search may take"),
+    memory_budget: Optional[float] = typer.Option(None, help="bytes per device (auto)"),
     steps: int = typer.Option(20, min=1, help="training steps"),
     batch_size: Optional[int] = typer.Option(None, help="global batch size (model default)"),
     seed: int = typer.Option(0, help="initialization and data seed"),
-    describe: bool = typer.Option(False, help="print the full plan table"),
+    describe: bool = typer.Option(False, help="list every tensor in the plan table"),
     output_json: Optional[Path] = typer.Option(None, help="write losses and the report here"),
 ) -> None:
     """Train a zoo model for a few steps under a plan; report losses, speed and the HLO."""
@@ -76,9 +79,9 @@ def run(
 
     abstract_model, abstract_opt = nnx.eval_shape(create)
     batch = spec.batch(size, seed)
-    step = spmd.parallelize(spec.train_step, mesh=device_mesh, method=method)
-    plan = spmd.plan(spec.train_step, abstract_model, abstract_opt, batch, mesh=device_mesh,
-                     method=method)
+    options = spmd.SearchOptions(time_limit=time_limit, memory_budget=memory_budget)
+    step = spmd.parallelize(spec.train_step, mesh=device_mesh, method=method, options=options)
+    plan = step.plan_for(abstract_model, abstract_opt, batch)
     net, opt = spmd.materialize(create, plan)
     # Each process reads only its rows, as a real input pipeline would.
     local_batch = spmd.shard_batch(plan, spmd.process_local_batch(plan, batch))
@@ -105,7 +108,8 @@ def run(
     per_second = spec.items_per_batch(size) / step_time
     _say(f"step time {step_time * 1e3:.1f} ms (median after the first), "
          f"{per_second:,.0f} {spec.unit}/s")
-    _say(plan.describe() if describe else report.describe())
+    _say(plan.describe(max_rows=None if describe else 12))
+    _say(report.describe())
     if output_json is not None and jax.process_index() == 0:
         output_json.write_text(json.dumps({
             "model": spec.name, "mesh": device_mesh.name, "method": method, "losses": losses,
@@ -117,8 +121,10 @@ def run(
 def plan_cmd(
     model: str = typer.Option(DEFAULT_MODEL, help="model name (see `spmd models`)"),
     mesh: Path = typer.Option(Path(DEFAULT_MESH), help="mesh file; planned as a virtual mesh"),
-    method: str = typer.Option("dp_tp", help="plan to show"),
+    method: str = typer.Option("auto", help="plan to show: auto or a hand-written one"),
     batch_size: Optional[int] = typer.Option(None, help="global batch size (model default)"),
+    time_limit: float = typer.Option(20.0, help="seconds the sharding search may take"),
+    memory_budget: Optional[float] = typer.Option(None, help="bytes per device (auto)"),
     save: Optional[Path] = typer.Option(None, help="save the plan as JSON"),
 ) -> None:
     """Plan without running anything: any mesh, even a cluster you do not have."""
@@ -136,8 +142,9 @@ def plan_cmd(
 
     abstract_model, abstract_opt = nnx.eval_shape(create)
     abstract_batch = jax_abstract(spec.batch, size)
+    options = spmd.SearchOptions(time_limit=time_limit, memory_budget=memory_budget)
     plan = spmd.plan(spec.train_step, abstract_model, abstract_opt, abstract_batch,
-                     mesh=device_mesh, method=method)
+                     mesh=device_mesh, method=method, options=options)
     typer.echo(f"model {spec.name}: {spec.param_count():,} parameters, global batch {size}")
     typer.echo(plan.describe())
     if save:

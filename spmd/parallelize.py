@@ -120,6 +120,10 @@ class ParallelStep:
         self._last = self._compiled[key][0]
         return self._compiled[key]
 
+    def plan_for(self, *args: Any) -> Plan:
+        """The plan for these arguments (concrete or abstract), searched once per shape set."""
+        return self._prepare(args)[0]
+
     def lower(self, *args: Any):
         p, jitted = self._prepare(args)
         return jitted.lower(*p.signature.in_avals)

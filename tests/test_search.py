@@ -1,0 +1,108 @@
+"""method="auto" through the public API: cache, warnings and errors a user sees."""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import spmd
+
+LOGICAL = {"w1": ("embed", "mlp"), "w2": ("mlp", "embed")}
+
+
+def _step(params, batch):
+    def loss(p):
+        return jnp.mean((jnp.tanh(batch["x"] @ p["w1"]) @ p["w2"] - batch["y"]) ** 2)
+
+    value, grads = jax.value_and_grad(loss)(params)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), value
+
+
+def _args(d=64, h=256, b=32):
+    params = {"w1": jnp.ones((d, h)) * 0.01, "w2": jnp.ones((h, d)) * 0.01}
+    return params, {"x": jnp.ones((b, d)), "y": jnp.zeros((b, d))}
+
+
+def test_second_plan_is_loaded_from_the_cache(tmp_path):
+    mesh = spmd.make_mesh({"data": 2, "model": 4}, virtual=True)
+    options = spmd.SearchOptions(cache_dir=str(tmp_path), compare=False)
+    first = spmd.plan(_step, *_args(), mesh=mesh, method="auto", options=options)
+    assert "cache" not in first.search
+    start = time.perf_counter()
+    second = spmd.plan(_step, *_args(), mesh=mesh, method="auto", options=options)
+    assert second.search["cache"].startswith("loaded")
+    assert second.input_specs == first.input_specs
+    assert second.constraints == first.constraints
+    assert time.perf_counter() - start < first.search["search_seconds"] + 5
+    assert len(list(tmp_path.glob("*.json"))) == 1
+
+
+def test_unmeetable_budget_states_the_least_memory():
+    mesh = spmd.make_mesh({"data": 2, "model": 4}, virtual=True)
+    options = spmd.SearchOptions(memory_budget=1024, cache=False, compare=False)
+    with pytest.raises(spmd.InfeasibleError, match="least peak memory") as err:
+        spmd.plan(_step, *_args(), mesh=mesh, method="auto", options=options)
+    assert "checkpoint" in str(err.value) or "devices" in str(err.value)
+
+
+def test_solver_timeout_warns_and_still_plans():
+    mesh = spmd.make_mesh({"data": 2, "model": 4}, virtual=True)
+    import models
+    from flax import nnx
+
+    spec = models.get("gpt-tiny")
+    grads = lambda m, b: nnx.value_and_grad(spec.loss)(m, b)  # noqa: E731
+    options = spmd.SearchOptions(time_limit=0.05, cache=False, compare=False)
+    with pytest.warns(UserWarning, match="reached its time limit"):
+        plan = spmd.plan(grads, nnx.eval_shape(lambda: spec.create(0)), spec.batch(8, 0),
+                         mesh=mesh, method="auto", options=options)
+    assert plan.search["status"] == "feasible"
+
+
+@pytest.mark.parametrize("axes, warning", [
+    ({"data": 8, "model": 1}, "axis model has size 1"),
+    ({"data": 1}, "has one device"),
+])
+def test_trivial_axes_warn_and_the_step_runs(axes, warning):
+    mesh = spmd.make_mesh(axes, virtual=True)
+    options = spmd.SearchOptions(cache=False, compare=False)
+    params, batch = _args()
+    with pytest.warns(UserWarning, match=warning):
+        step = spmd.parallelize(_step, mesh=mesh, method="auto", options=options)
+        new_params, loss = step(params, batch)
+    ref_params, ref_loss = jax.jit(_step)(params, batch)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(new_params["w1"]), np.asarray(ref_params["w1"]), rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_user_pins_are_kept():
+    mesh = spmd.make_mesh({"data": 2, "model": 4}, virtual=True)
+    options = spmd.SearchOptions(cache=False, compare=False, rules={"mlp": ("data",)})
+    plan = spmd.plan(_step, *_args(), mesh=mesh, method="auto", logical_axes=LOGICAL,
+                     options=options)
+    specs = {leaf.path: spec for leaf, spec in zip(plan.leaves, plan.input_specs)}
+    assert specs["params/w1"] == ((), ("data",))
+    assert specs["params/w2"] == (("data",), ())
+    explicit = {"w1": jax.sharding.PartitionSpec(None, "model"), "w2": None}
+    plan = spmd.plan(_step, *_args(), mesh=mesh, method="auto", logical_axes=explicit,
+                     options=spmd.SearchOptions(cache=False, compare=False))
+    specs = {leaf.path: spec for leaf, spec in zip(plan.leaves, plan.input_specs)}
+    assert specs["params/w1"] == ((), ("model",))
+
+
+def test_auto_plan_explains_itself():
+    mesh = spmd.make_mesh({"data": 2, "model": 4}, virtual=True)
+    params, batch = _args()
+    step = spmd.parallelize(_step, mesh=mesh, method="auto",
+                            options=spmd.SearchOptions(cache=False))
+    compiled = step.lower(params, batch).compile()
+    plan = step.plan
+    plan.attach_measured(spmd.analyze(compiled))
+    text = plan.describe()
+    for needle in ("predicted cost per step", "auto (this plan)", "dp", "predicted vs compiled",
+                   "params/w1"):
+        assert needle in text
+    assert set(plan.alternatives) >= {"dp", "fsdp", "tp"}
