@@ -1,0 +1,141 @@
+"""Helpers shared by the benchmarks in bench/: the machine, the date, markdown tables and
+RESULTS.md sections.
+
+Each benchmark owns one ``## `` section of ``bench/RESULTS.md`` (found by its exact title)
+and rewrites only that section, so benchmarks can be rerun independently:
+
+    from common import machine, replace_section, markdown_table   # run as a script
+    replace_section(RESULTS, "## Hand-written plans on cpu-8 (bench/manual_plans.py)", body)
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+RESULTS_MD = BENCH_DIR / "RESULTS.md"
+RESULTS_DIR = BENCH_DIR / "results"
+
+_HEADER = "# Benchmark results\n\nEach section is written by the benchmark named in its title; rerun it to refresh.\n"
+
+MiB = 1024 * 1024
+
+
+def machine() -> dict[str, Any]:
+    """What ran the benchmark: OS, CPU count and library versions (jax imported lazily)."""
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+    }
+    try:
+        import jax
+        import jaxlib
+
+        info["jax"] = jax.__version__
+        info["jaxlib"] = jaxlib.__version__
+    except ImportError:  # pragma: no cover - every benchmark here uses jax
+        pass
+    return info
+
+
+def machine_line(info: dict[str, Any] | None = None) -> str:
+    """One markdown line describing the machine."""
+    info = info or machine()
+    parts = [f"`{info['platform']}`", f"{info['cpu_count']} CPUs", f"python {info['python']}"]
+    for lib in ("jax", "jaxlib"):
+        if lib in info:
+            parts.append(f"{lib} {info[lib]}")
+    return ", ".join(parts)
+
+
+def utc_date() -> str:
+    """The date as ``date -u`` prints it, e.g. ``Tue Mar  4 12:00:00 UTC 2025``."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return now.strftime("%a %b ") + f"{now.day:2d}" + now.strftime(" %H:%M:%S UTC %Y")
+
+
+def command_line(script: str | None = None, argv: Sequence[str] | None = None) -> str:
+    """The command that ran this benchmark, as one copy-pasteable line from the repo root."""
+    argv = list(sys.argv if argv is None else argv)
+    if script is None:
+        path = Path(argv[0]).resolve()
+        try:
+            script = str(path.relative_to(REPO_ROOT))
+        except ValueError:
+            script = argv[0]
+    return shlex.join(["python", script, *argv[1:]])
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
+                   align: Sequence[str] | None = None) -> str:
+    """A GitHub markdown table; ``align`` holds "l" or "r" per column (default: text left,
+    numbers right, judged from the first row)."""
+    if align is None:
+        first = rows[0] if rows else [""] * len(headers)
+        align = ["r" if isinstance(v, (int, float)) or _numeric(v) else "l" for v in first]
+    cells = [[_cell(v) for v in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+
+    def line(values: Sequence[str]) -> str:
+        out = []
+        for v, w, a in zip(values, widths, align):
+            out.append(v.rjust(w) if a == "r" else v.ljust(w))
+        return "| " + " | ".join(out) + " |"
+
+    sep = "|" + "|".join(("-" * (w + 1) + ":") if a == "r" else ("-" * (w + 2))
+                         for w, a in zip(widths, align)) + "|"
+    return "\n".join([line(list(headers)), sep, *(line(r) for r in cells)])
+
+
+def _numeric(v: Any) -> bool:
+    try:
+        float(str(v).rstrip("x%"))
+        return True
+    except ValueError:
+        return False
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return ""
+    return str(v).replace("|", "\\|").replace("\n", " ")
+
+
+def replace_section(title: str, body: str, path: Path = RESULTS_MD) -> None:
+    """Replace (or append) the ``## `` section called ``title`` in ``path``, keeping the rest.
+
+    ``title`` is the heading line, with or without the leading ``## ``. The section runs to
+    the next ``## `` heading (or a ``# `` one) or the end of the file. ``body`` is the text
+    under the heading.
+    """
+    heading = title if title.startswith("## ") else f"## {title}"
+    text = path.read_text() if path.exists() else _HEADER
+    lines = text.splitlines()
+    new_section = [heading, "", *body.strip("\n").splitlines(), ""]
+    start = next((i for i, l in enumerate(lines) if l.rstrip() == heading), None)
+    if start is None:
+        while lines and not lines[-1].strip():
+            lines.pop()
+        lines += ["", *new_section]
+    else:
+        end = start + 1
+        while end < len(lines) and not lines[end].startswith(("## ", "# ")):
+            end += 1
+        lines[start:end] = new_section
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines).rstrip("\n") + "\n")
+
+
+def write_json(data: Any, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
