@@ -15,11 +15,17 @@ Keeping the program small (every reduction documented in ``AutoResult.stats``):
 * **small tensors**: a value under ``small_bytes`` (``min(64 KiB, largest value / 256)``;
   the fraction keeps tiny test models meaningful, the cap keeps real models' biases, norms
   and scalars out of the search) keeps only strategies with replicated outputs.
-* **repeated layers**: nodes whose neighbourhood (primitive, shapes, params of the node and
-  its operands, with relative positions) repeats at a distance of at least ``MIN_PERIOD``
-  ops share one choice (``same_as``), as do the inputs they read at the same position. A
+* **repeated layers**: nodes whose structural colour (primitive, shapes, params, refined
+  ``WL_ROUNDS`` times by their operands' colours: no program distances, so a layer's backward
+  ops match although they read forward values at distances that differ per layer) repeats,
+  with a window of ``MIN_PERIOD`` ops matching, at a distance of at least ``MIN_PERIOD`` ops
+  share one choice (``same_as``), as do the inputs they read at the same position. A
   structure that repeats with a shorter period (a stack of tiny MLP layers) is left untied,
   because alternating choices (column then row split) matter there.
+* **aliased outputs** (the new value of a parameter or optimizer state) keep their own choice
+  and, if the input is pinned, its spec among their candidates, so e.g. ZeRO (replicated
+  parameter, sharded state) is expressible.
+* strategies and costs are computed once per distinct op (repeated layers repeat them).
 
 Memory: every value is live from its producer to its last consumer (program order = jaxpr
 order); inputs live throughout unless an output aliases them (donated: they die at their
@@ -52,6 +58,8 @@ COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", 
 SMALL_BYTES_CAP = 64 * 1024
 SMALL_FRACTION = 1 / 256
 MIN_PERIOD = 16
+#: rounds of colour refinement behind layer tying (how far a node's neighbourhood must match)
+WL_ROUNDS = 2
 LIVENESS_POINTS = 50
 #: an input costs this fraction of the time to stream its per-device bytes once: only breaks
 #: ties (a batch split for free rather than replicated), never outweighs communication.
@@ -179,16 +187,41 @@ class _Problem:
                        for k in range(len(n.op.out_shapes))
                        if n.op.out_dtypes[k] is not None), default=0)
         self.small_bytes = min(SMALL_BYTES_CAP, largest * SMALL_FRACTION)
-        ctx = _rules.RuleContext(mesh)
+        required: dict[tuple, list[Spec]] = collections.defaultdict(list)
+        for i, pin in zip(graph.inputs, pins):
+            if pin is not None and any(pin):
+                required[nodes[i].op.out_shapes[0]].append(tuple(tuple(a) for a in pin))
+        ctx = _rules.RuleContext(mesh, required=required)
         self.strats: list[list[_rules.Strategy]] = []
         self.stats: dict[str, Any] = {"small": 0}
+        self.own_cost: list[np.ndarray] = []
+        # Repeated layers repeat their ops: strategies and costs are computed once per
+        # distinct (primitive, shapes, dtypes, params).
+        memo: dict[tuple, tuple[list[_rules.Strategy], np.ndarray, bool]] = {}
+        self.aliased = {graph.outputs[o].node for o in self.aliases if graph.outputs[o] is not None}
         for n in nodes:
-            self.strats.append(self._strategies(n, ctx, inputs, pins))
-        self.own_cost = [np.array([self._cost(n, s) for s in ss]) for n, ss in zip(nodes, self.strats)]
+            key = (self._op_key(n), n.id in self.aliased) if n.kind == "op" else None
+            if key is not None and key in memo:
+                ss, costs, small = memo[key]
+                self.stats["small"] += small
+            else:
+                before = self.stats["small"]
+                ss = self._strategies(n, ctx, inputs, pins)
+                costs = np.array([self._cost(n, s) for s in ss])
+                if key is not None:
+                    memo[key] = (ss, costs, self.stats["small"] - before)
+            self.strats.append(ss)
+            self.own_cost.append(costs)
         self._merge_followers()
         self._tie_layers(share_layers)
 
     # -- strategies ----------------------------------------------------------------------
+    @staticmethod
+    def _op_key(n) -> tuple:
+        op = n.op
+        return (op.primitive, op.in_shapes, tuple(map(str, op.in_dtypes)), op.out_shapes,
+                tuple(map(str, op.out_dtypes)), repr(sorted(op.params.items())))
+
     def _strategies(self, n, ctx, inputs, pins) -> list[_rules.Strategy]:
         shape, dtype = (n.op.out_shapes[0], n.op.out_dtypes[0]) if n.op.out_shapes else ((), None)
         if n.kind == "const":
@@ -208,7 +241,10 @@ class _Problem:
         found = _rules.strategies(n.op, ctx)
         total = sum(_nbytes(s, d) for s, d in zip(n.op.out_shapes, n.op.out_dtypes))
         if total < self.small_bytes and len(found) > 1:
-            rep = [s for s in found if all(not any(ax) for ax in s.out_specs)]
+            # The new value of a pinned input must still be able to come back in its spec.
+            keep = n.id in self.aliased
+            rep = [s for s in found if all(not any(ax) or (keep and ctx.is_required(shape, ax))
+                                           for ax, shape in zip(s.out_specs, n.op.out_shapes))]
             if rep:
                 self.stats["small"] += 1
                 return rep
@@ -227,8 +263,12 @@ class _Problem:
         self.root = list(range(len(nodes)))
         self.fmap: list[np.ndarray] = [np.arange(len(ss)) for ss in self.strats]
         merged = 0
+        # The new value of a parameter or optimizer state must come back in its input's
+        # spec; merged into its operand's group it would share that group's spec, so the
+        # update of a replicated parameter and of its sharded optimizer state (ZeRO) could
+        # not both hold. Such outputs keep their own choice.
         for n in nodes:
-            if n.kind != "op" or not _rules.is_follower(n.op.primitive):
+            if n.kind != "op" or not _rules.is_follower(n.op.primitive) or n.id in self.aliased:
                 continue
             cands = [(math.prod(n.op.in_shapes[i]), -i, i) for i, v in enumerate(n.operands)
                      if v is not None and nodes[v.node].kind == "op"]
@@ -279,13 +319,8 @@ class _Problem:
 
         tied = 0
         if enabled:
-            tok = [hash((n.kind, n.op.primitive, n.op.in_shapes, n.op.out_shapes,
-                         tuple(str(d) for d in n.op.out_dtypes),
-                         repr(sorted((k, repr(v)[:200]) for k, v in n.op.params.items()))))
-                   for n in nodes]
-            sig = [hash((tok[n.id], tuple(None if v is None else
-                                          (tok[v.node], v.index, n.id - v.node if nodes[v.node].kind == "op" else 0)
-                                          for v in n.operands))) for n in nodes]
+            sig = self._colours()
+            tok = self._tokens
             by_sig: dict[int, list[int]] = collections.defaultdict(list)
             for n in nodes:
                 if n.kind == "op" and self.root[n.id] == n.id and len(self.strats[n.id]) > 1:
@@ -316,6 +351,25 @@ class _Problem:
             if rep != r:
                 self.same_as[self.index[r]] = self.index[rep]
         self.stats["tied"] = tied
+
+    def _colours(self, rounds: int = WL_ROUNDS) -> list[int]:
+        """A structural colour per node (Weisfeiler-Lehman refinement): the op itself, then
+        ``rounds`` times the colours of its operands (in order). Unlike program distances,
+        colours match between layers whose backward pass reads forward values at different
+        distances; few rounds keep the first and last layer, whose neighbours differ, tied."""
+        nodes = self.g.nodes
+        tok = [hash((n.kind, n.op.primitive, n.op.in_shapes, n.op.out_shapes,
+                     tuple(str(d) for d in n.op.out_dtypes),
+                     repr(sorted((k, repr(v)[:200]) for k, v in n.op.params.items())),
+                     tuple(self._names(n.id)) if n.kind == "input" else ()))
+               for n in nodes]
+        self._tokens = tok
+        col = tok
+        for _ in range(rounds):
+            col = [hash((col[n.id],
+                         tuple(None if v is None else (col[v.node], v.index) for v in n.operands)))
+                   for n in nodes]
+        return col
 
     def _names(self, r: int) -> list[str]:
         return [s.name for s in self.strats[r]]
@@ -380,7 +434,7 @@ class _Problem:
     def _reshard(self, shape, dtype, src: Spec, dst: Spec):
         if src == dst:
             return 0.0, ()
-        key = (shape, str(dtype), src, dst)
+        key = (shape, dtype, src, dst)
         cache = self.__dict__.setdefault("_cache", {})
         if key not in cache:
             cache[key] = self.cost.reshard(shape, dtype, src, dst)
@@ -388,11 +442,15 @@ class _Problem:
 
     def _matrix(self, shape, dtype, src: list[Spec], dst: list[Spec]) -> np.ndarray:
         """Reshard seconds for every (src, dst) pair, each distinct pair priced once."""
-        us, vs = list(dict.fromkeys(src)), list(dict.fromkeys(dst))
-        ui = np.array([us.index(s) for s in src])
-        vi = np.array([vs.index(s) for s in dst])
-        small = np.array([[self._reshard_time(shape, dtype, a, b) for b in vs] for a in us])
-        return small[np.ix_(ui, vi)]
+        us, vs = {}, {}
+        ui = np.array([us.setdefault(s, len(us)) for s in src])
+        vi = np.array([vs.setdefault(s, len(vs)) for s in dst])
+        key = (shape, dtype, tuple(us), tuple(vs))
+        cache = self.__dict__.setdefault("_mcache", {})
+        if key not in cache:
+            cache[key] = np.array([[self._reshard_time(shape, dtype, a, b) for b in vs]
+                                   for a in us]).reshape(len(us), len(vs))
+        return cache[key][np.ix_(ui, vi)]
 
     # -- memory --------------------------------------------------------------------------
     def intervals(self) -> list[tuple[Value, int, int]]:

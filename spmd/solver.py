@@ -63,6 +63,11 @@ MARGINAL_LIMIT = 16
 NUM_WORKERS = 2
 # Models with more variables than this skip CP-SAT's presolve (see ``_run``).
 PRESOLVE_LIMIT = 20_000
+# CP-SAT stops early when no better plan came for max(STALL_MIN_SECONDS, STALL_FRACTION x
+# time limit): on 2 cores its bound stays loose, so waiting out the limit rarely pays (the
+# plan is then reported "feasible", not timed out; the bound says how far it may be off).
+STALL_MIN_SECONDS = 2.0
+STALL_FRACTION = 0.2
 
 
 @dataclasses.dataclass
@@ -125,6 +130,8 @@ class SolverResult:
     num_variables: int
     num_constraints: int
     timed_out: bool
+    #: CP-SAT stopped early, no better plan having come for a while (see ``STALL_FRACTION``)
+    stalled: bool = False
 
 
 def _encode(x):
@@ -379,7 +386,7 @@ def solve(request: SolverRequest) -> SolverResult:
     hint = scored[0][2] if scored else seeds[0]
     built = _build(request, prob, scaled, with_memory=True, objective=True, hint=hint)
     remaining = max(request.time_limit - (time.perf_counter() - start), 0.05 * request.time_limit)
-    status, solver = _run(built.model, remaining)
+    status, solver, stalled = _run(built.model, remaining, _stall_seconds(request.time_limit))
     if status == cp_model.INFEASIBLE:
         _explain_infeasible(request, prob, scaled)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -389,7 +396,7 @@ def solve(request: SolverRequest) -> SolverResult:
                 f"({built.num_variables} variables); raise the time limit or pass a warm_start")
         value, _, choice = scored[0]
         return SolverResult(choice, value, -math.inf, "feasible", time.perf_counter() - start,
-                            built.num_variables, built.num_constraints, True)
+                            built.num_variables, built.num_constraints, not stalled, stalled)
     choice = built.read(solver)
     value = evaluate(request, choice)
     if scored and scored[0][0] < value:  # rounding can hide a slightly better seed
@@ -400,7 +407,7 @@ def solve(request: SolverRequest) -> SolverResult:
         choice=choice, objective=value, bound=min(bound, value),
         status="optimal" if optimal else "feasible", solve_time=time.perf_counter() - start,
         num_variables=built.num_variables, num_constraints=built.num_constraints,
-        timed_out=not optimal,
+        timed_out=not optimal and not stalled, stalled=stalled and not optimal,
     )
 
 
@@ -414,8 +421,10 @@ def _admissible(r: SolverRequest, choice: Sequence[int]) -> bool:
 def _local_search(prob: _Problem, deadline: float, sweeps: int = 20) -> list[int]:
     """A feasible seed in well under a second: greedy in group order, then rounds of
     (a) Viterbi along the chain of consecutive groups, other neighbours held fixed, kept when
-    it lowers the total, and (b) coordinate descent (each group's best reply to its
-    neighbours) until nothing improves or the deadline passes."""
+    it lowers the total, (b) coordinate descent (each group's best reply to its neighbours)
+    and (c) the same for the two ends of each edge jointly (a parameter and its new value
+    are tied by ``inf`` and only move together) until nothing improves or the deadline
+    passes."""
     n = len(prob.groups)
     adj: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(n)]
     for (gu, gv), mat in prob.pairs.items():
@@ -429,6 +438,14 @@ def _local_search(prob: _Problem, deadline: float, sweeps: int = 20) -> list[int
             if pick[h] >= 0:
                 cost += mat[:, pick[h]]
         return int(np.argmin(cost))
+
+    def reply(g: int, other: int) -> np.ndarray:
+        """g's cost per strategy given its neighbours' picks, ``other`` left out."""
+        cost = prob.unary[g].copy()
+        for h, mat in adj[g]:
+            if h != other and pick[h] >= 0:
+                cost += mat[:, pick[h]]
+        return cost
 
     def total(p: list[int]) -> float:
         return (sum(float(prob.unary[g][p[g]]) for g in range(n))
@@ -469,6 +486,10 @@ def _local_search(prob: _Problem, deadline: float, sweeps: int = 20) -> list[int
                 pick, current = trial, value
         for g in range(n):
             pick[g] = best(g)
+        for (gu, gv), mat in prob.pairs.items():  # joint moves: ends tied by inf must move together
+            joint = reply(gu, gv)[:, None] + reply(gv, gu)[None, :] + mat
+            i, j = np.unravel_index(int(np.argmin(joint)), joint.shape)
+            pick[gu], pick[gv] = int(i), int(j)
         current = total(pick)
         if not current < before:
             break
@@ -622,7 +643,18 @@ def _memory_terms(r: SolverRequest, prob: _Problem, x) -> list[list[tuple[object
     return out
 
 
-def _run(model, time_limit: float):
+def _stall_seconds(time_limit: float) -> float:
+    """How long CP-SAT may go without a better plan before the search stops early."""
+    return max(STALL_MIN_SECONDS, STALL_FRACTION * time_limit)
+
+
+def _run(model, time_limit: float, stall: float | None = None):
+    """Solve; with ``stall``, stop once no better solution came for ``stall`` seconds.
+
+    Returns (status, solver, stalled): ``stalled`` is True when the search was stopped early
+    that way (the plan is then the best found, not proven optimal)."""
+    import threading
+
     from ortools.sat.python import cp_model
 
     solver = cp_model.CpSolver()
@@ -632,8 +664,32 @@ def _run(model, time_limit: float):
         # On 2 cores CP-SAT's presolve of a large model alone outlasts a time limit of
         # seconds; without it the search starts at once from the (complete) hint.
         solver.parameters.cp_model_presolve = False
-    status = solver.Solve(model)
-    return status, solver
+    if stall is None or stall >= time_limit:
+        return solver.Solve(model), solver, False
+
+    last = [time.perf_counter()]
+    stopped = threading.Event()
+    done = threading.Event()
+
+    class _Improved(cp_model.CpSolverSolutionCallback):
+        def on_solution_callback(self) -> None:
+            last[0] = time.perf_counter()
+
+    def watch() -> None:
+        while not done.wait(0.05):
+            if time.perf_counter() - last[0] > stall:
+                stopped.set()
+                solver.stop_search()
+                return
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        status = solver.Solve(model, _Improved())
+    finally:
+        done.set()
+        watcher.join()
+    return status, solver, stopped.is_set()
 
 
 def _explain_infeasible(r: SolverRequest, prob: _Problem, scaled: Scaled) -> None:
@@ -641,7 +697,7 @@ def _explain_infeasible(r: SolverRequest, prob: _Problem, scaled: Scaled) -> Non
     from ortools.sat.python import cp_model
 
     free = _build(r, prob, scaled, with_memory=False, objective=False)
-    status, _ = _run(free.model, r.time_limit)
+    status, _, _ = _run(free.model, r.time_limit)
     if status == cp_model.INFEASIBLE or r.memory_budget is None or not r.liveness:
         raise InfeasibleError(
             "no assignment of strategies avoids the forbidden (infinite-cost) strategies and "
@@ -657,7 +713,7 @@ def _least_peak(r: SolverRequest, prob: _Problem, scaled: Scaled) -> str:
     from ortools.sat.python import cp_model
 
     built = _build(r, prob, scaled, with_memory=True, objective=False, minimize_memory=True)
-    status, solver = _run(built.model, min(r.time_limit, 10.0))
+    status, solver, _ = _run(built.model, min(r.time_limit, 10.0))
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         choice = built.read(solver)
         peak = memory_peak(r, choice)

@@ -110,7 +110,8 @@ class RuleContext:
     """
 
     def __init__(self, mesh: Any, max_strategies: int = MAX_STRATEGIES, max_axes_per_dim: int = 2,
-                 cost: CostModel | None = None):
+                 cost: CostModel | None = None,
+                 required: Mapping[Shape, Iterable[Spec]] | None = None):
         if not isinstance(mesh, DeviceMesh):
             mesh = make_mesh({str(k): int(v) for k, v in dict(mesh).items()}, virtual=True)
         self.mesh: DeviceMesh = mesh
@@ -121,7 +122,12 @@ class RuleContext:
         self.axes: tuple[str, ...] = tuple(a for a, n in self.mesh_shape.items() if n > 1)
         self.max_strategies = max_strategies
         self.max_axes_per_dim = max_axes_per_dim
-        self._specs: dict[Shape, list[Spec]] = {}
+        #: shape -> specs every candidate list of that shape includes (pinned inputs' specs,
+        #: so a value can always arrive in the spec the user fixed, whatever the caps drop)
+        self.required: dict[Shape, tuple[Spec, ...]] = {
+            tuple(int(d) for d in k): tuple(dict.fromkeys(tuple(tuple(a) for a in s) for s in v))
+            for k, v in (required or {}).items()}
+        self._specs: dict[tuple, list[Spec]] = {}
 
     def size(self, axes: Iterable[str]) -> int:
         """Number of devices a dim split over ``axes`` is spread on."""
@@ -138,21 +144,30 @@ class RuleContext:
         All valid specs with up to ``max_axes_per_dim`` axes per dim, leaving the dims in
         ``unsplit`` whole; when that is too many, one axis per dim; when still too many, the
         specs that use the most axes (least redundant work), with the replicated spec kept.
+        Specs in ``required`` for this shape (that leave ``unsplit`` whole) are always added.
 
         >>> RuleContext({"x": 2}).specs((4, 4), unsplit=[1])
         [((), ()), (('x',), ())]
         """
         fixed = set(unsplit)
         key = tuple(1 if d in fixed else int(n) for d, n in enumerate(shape))
-        if key not in self._specs:
+        cache_key = (key, tuple(int(n) for n in shape))
+        if cache_key not in self._specs:
             specs = all_specs(key, self.mesh_shape, self.max_axes_per_dim)
             if len(specs) > self.max_strategies:
                 specs = all_specs(key, self.mesh_shape, 1)
             if len(specs) > self.max_strategies:
                 rest = sorted(specs[1:], key=lambda s: -sum(len(a) for a in s))
                 specs = [specs[0]] + rest[: self.max_strategies - 1]
-            self._specs[key] = specs
-        return self._specs[key]
+            extra = [s for s in self.required.get(cache_key[1], ())
+                     if s not in specs and is_valid(s, key, self.mesh_shape)
+                     and not any(s[d] for d in fixed)]
+            self._specs[cache_key] = specs + extra
+        return self._specs[cache_key]
+
+    def is_required(self, shape: Sequence[int], spec: Spec) -> bool:
+        """Whether ``spec`` is one the caller asked every candidate list of ``shape`` to keep."""
+        return spec in self.required.get(tuple(shape), ())
 
     def assignments(self, slot_sizes: Sequence[int]) -> Iterator[tuple[tuple[str, ...], ...]]:
         """Every way to give each mesh axis to at most one slot (a logical dim of an op).
@@ -274,7 +289,10 @@ def strategies(op: Op, ctx: RuleContext) -> list[Strategy]:
             pieces = zip(s.in_specs + s.out_specs, op.in_shapes + op.out_shapes)
             return s.flops, sum(local_size(shape, spec, ctx) for spec, shape in pieces)
 
-        out = sorted(out, key=footprint)[: ctx.max_strategies]
+        keep = [s for s in out if any(ctx.is_required(shape, spec) and any(spec)
+                                      for spec, shape in zip(s.out_specs, op.out_shapes))]
+        rest = sorted((s for s in out if s not in keep), key=footprint)
+        out = keep + rest[: max(ctx.max_strategies - len(keep), 1)]
     return out
 
 
