@@ -6,6 +6,7 @@ step's jaxpr, the mesh and the options, so a second run skips the search.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -69,13 +70,23 @@ def _inputs(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions) -> lis
     return out
 
 
+@functools.cache
+def _code_version() -> str:
+    """A digest of spmd's own source: a plan found by other code is not reused."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def _cache_key(jaxpr, inputs: list[InputInfo], mesh: DeviceMesh, options: SearchOptions) -> str:
     digest = hashlib.sha256()
     digest.update(str(jaxpr).encode())
     digest.update(repr([(i.path, i.shape, str(i.dtype), i.kind, i.pinned) for i in inputs])
                   .encode())
     digest.update(repr((mesh.axis_names, mesh.axis_sizes, sorted(mesh.links.items()),
-                        mesh.device, options.memory_budget, FORMAT_VERSION)).encode())
+                        mesh.device, options.memory_budget, FORMAT_VERSION,
+                        _code_version())).encode())
     return digest.hexdigest()[:32]
 
 
