@@ -10,7 +10,7 @@ reshard point) name the same values here.
 >>> import jax, jax.numpy as jnp
 >>> from spmd.mesh import make_mesh
 >>> cj = jax.make_jaxpr(lambda w, x: x @ w)(jnp.ones((4, 8)), jnp.ones((2, 4)))
->>> f = constrained(cj, {"eqn 0 out 0": ((), ("model",))}, make_mesh({"model": 1}))
+>>> f = constrained(cj, {"eqn 0 out 0": ((), ("model",))}, make_mesh({"model": 1}, virtual=True))
 >>> f(jnp.ones((4, 8)), jnp.ones((2, 4)))[0].shape
 (2, 8)
 """

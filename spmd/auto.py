@@ -14,7 +14,12 @@ Keeping the program small (every reduction documented in ``AutoResult.stats``):
   an input's memory is its own.
 * **small tensors**: a value under ``small_bytes`` (``min(64 KiB, largest value / 256)``;
   the fraction keeps tiny test models meaningful, the cap keeps real models' biases, norms
-  and scalars out of the search) keeps only strategies with replicated outputs.
+  and scalars out of the search) keeps only strategies with replicated outputs or without
+  communication (a per-token statistic stays split like its batch: forcing it replicated made
+  gpt-tiny all-to-all its logits).
+* **combined collectives**: ops no matmul/convolution depends on (``_off_critical_path``:
+  weight gradients, the loss, the update) pay only the bandwidth of their all-reduces; XLA
+  merges those into one per (kind, axes) (``CostModel.combined``, used by the prediction).
 * **repeated layers**: nodes whose structural colour (primitive, shapes, params, refined
   ``WL_ROUNDS`` times by their operands' colours: no program distances, so a layer's backward
   ops match although they read forward values at distances that differ per layer) repeats,
@@ -45,7 +50,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from spmd import rules as _rules
-from spmd.cost import Collective, CostModel
+from spmd.cost import COMBINED_KINDS, Collective, CostModel
 from spmd.errors import PlanError
 from spmd.graph import Graph, Value, build_graph, operand_key, value_key
 from spmd.mesh import DeviceMesh
@@ -199,15 +204,18 @@ class _Problem:
         # distinct (primitive, shapes, dtypes, params).
         memo: dict[tuple, tuple[list[_rules.Strategy], np.ndarray, bool]] = {}
         self.aliased = {graph.outputs[o].node for o in self.aliases if graph.outputs[o] is not None}
+        self.off_path = _off_critical_path(graph)
+        self.stats["off_path"] = len(self.off_path)
         for n in nodes:
-            key = (self._op_key(n), n.id in self.aliased) if n.kind == "op" else None
+            off = n.id in self.off_path
+            key = (self._op_key(n), n.id in self.aliased, off) if n.kind == "op" else None
             if key is not None and key in memo:
                 ss, costs, small = memo[key]
                 self.stats["small"] += small
             else:
                 before = self.stats["small"]
                 ss = self._strategies(n, ctx, inputs, pins)
-                costs = np.array([self._cost(n, s) for s in ss])
+                costs = np.array([self._cost(n, s, off) for s in ss])
                 if key is not None:
                     memo[key] = (ss, costs, self.stats["small"] - before)
             self.strats.append(ss)
@@ -243,19 +251,26 @@ class _Problem:
         if total < self.small_bytes and len(found) > 1:
             # The new value of a pinned input must still be able to come back in its spec.
             keep = n.id in self.aliased
-            rep = [s for s in found if all(not any(ax) or (keep and ctx.is_required(shape, ax))
-                                           for ax, shape in zip(s.out_specs, n.op.out_shapes))]
+            # Also keep strategies that need no communication: a per-token statistic (a
+            # softmax's max, a norm's mean) stays split like the batch it came from, where
+            # forcing it replicated would gather (or all-to-all) the large operand.
+            rep = [s for s in found if not s.collectives or
+                   all(not any(ax) or (keep and ctx.is_required(shape, ax))
+                       for ax, shape in zip(s.out_specs, n.op.out_shapes))]
             if rep:
                 self.stats["small"] += 1
                 return rep
         return found
 
-    def _cost(self, n, s: _rules.Strategy) -> float:
+    def _cost(self, n, s: _rules.Strategy, off_path: bool = False) -> float:
         if n.kind != "op":  # tie-break: between equally fast plans, hold less
             return INPUT_BYTES_WEIGHT * self.cost.memory_time(
                 bytes_per_device(n.op.out_shapes[0], n.op.out_dtypes[0], s.out_specs[0], self.mesh_shape))
+        # Off the critical path XLA combines a kind's collectives into one: each pays its
+        # bandwidth here, the shared latency is a few alphas per plan (``_predict``).
         return (self.cost.compute(s.flops, _dtype(n.op)) if s.flops else 0.0) + \
-            sum(self.cost.time(c) for c in s.collectives)
+            sum(self.cost.split(c)[0] if off_path and c.kind in COMBINED_KINDS
+                else self.cost.time(c) for c in s.collectives)
 
     # -- followers -----------------------------------------------------------------------
     def _merge_followers(self) -> None:
@@ -424,7 +439,7 @@ class _Problem:
                         for r in self.roots],
             strategy_names=[self._names(r) for r in self.roots],
             node_costs=[c.tolist() for c in costs],
-            edges=edge_list, edge_costs=[edges[e].tolist() for e in edge_list],
+            edges=edge_list, edge_costs=[edges[e] for e in edge_list],  # arrays: no copy
             same_as=list(self.same_as), node_memory=memory, liveness=liveness,
             memory_budget=memory_budget, warm_start=None, time_limit=time_limit)
 
@@ -474,7 +489,12 @@ class _Problem:
         return out
 
     def _value_bytes(self, v: Value, spec: Spec) -> float:
-        return float(bytes_per_device(self.g.value_shape(v), self.g.value_dtype(v), spec, self.mesh_shape))
+        shape, dtype = self.g.value_shape(v), self.g.value_dtype(v)
+        key = (shape, dtype, spec)
+        cache = self.__dict__.setdefault("_bcache", {})
+        if key not in cache:
+            cache[key] = float(bytes_per_device(shape, dtype, spec, self.mesh_shape))
+        return cache[key]
 
     def _memory(self) -> tuple[list[list[float]], list[list[int]]]:
         ivs = self.intervals()
@@ -517,6 +537,23 @@ class _Problem:
 
 # ------------------------------------------------------------------------------ evaluation
 
+#: ops whose inputs are on the step's critical path: a collective feeding one of them waits
+#: for its own result and cannot be merged with the others.
+_HEAVY = ("dot_general", "conv_general_dilated")
+
+
+def _off_critical_path(g: Graph) -> set[int]:
+    """Op nodes no matmul or convolution depends on (weight gradients, the loss, optimizer
+    updates): their collectives are independent of one another, and XLA combines them."""
+    below = [False] * len(g.nodes)  # some heavy op depends on this node
+    for n in reversed(g.nodes):
+        if below[n.id] or (n.kind == "op" and n.op.primitive in _HEAVY):
+            for v in n.operands:
+                if v is not None:
+                    below[v.node] = True
+    return {n.id for n in g.nodes if n.kind == "op" and not below[n.id]}
+
+
 
 def _predict(p: _Problem, root_choice: list[int]) -> tuple[Prediction, dict[str, Spec], list[str]]:
     """Collectives, times, memory and constraints of one full assignment."""
@@ -526,6 +563,7 @@ def _predict(p: _Problem, root_choice: list[int]) -> tuple[Prediction, dict[str,
     fallbacks: collections.Counter = collections.Counter()
     constraints: dict[str, Spec] = {}
     resharded: set = set()
+    combined: list[Collective] = []  # independent: XLA merges them (CostModel.combined)
     for n in nodes:
         s = p.strategy_of(n.id, root_choice[n.id])
         if n.kind != "op":
@@ -533,7 +571,7 @@ def _predict(p: _Problem, root_choice: list[int]) -> tuple[Prediction, dict[str,
         if s.fallback:
             fallbacks[n.op.primitive] += 1
         compute += cost.compute(s.flops, _dtype(n.op)) if s.flops else 0.0
-        colls.extend(s.collectives)
+        (combined if n.id in p.off_path else colls).extend(s.collectives)
         for k, spec in enumerate(s.out_specs):
             if _nbytes(n.op.out_shapes[k], n.op.out_dtypes[k]) >= max(p.small_bytes, 1):
                 constraints[value_key(n.path, k)] = spec
@@ -548,11 +586,18 @@ def _predict(p: _Problem, root_choice: list[int]) -> tuple[Prediction, dict[str,
             colls.extend(cs)
             if cs and g.value_bytes(v) >= max(p.small_bytes, 1):
                 constraints[operand_key(n.path, i)] = dst
-    summary = {k: (0, 0.0) for k in COLLECTIVE_KINDS}
-    for c in colls:
-        cnt, b = summary.get(c.kind, (0, 0.0))
-        summary[c.kind] = (cnt + 1, b + c.bytes)
-    comm = sum(cost.time(c) for c in colls)
+    summary = {k: [0, 0.0] for k in COLLECTIVE_KINDS}
+    merged = set()  # count what XLA emits: one collective per combined (kind, axes)
+    for i, c in enumerate(colls + combined):
+        key = (c.kind, cost._active(c.axes))
+        row = summary.setdefault(c.kind, [0, 0.0])
+        if i < len(colls) or c.kind not in COMBINED_KINDS or key not in merged:
+            row[0] += 1
+        if i >= len(colls) and c.kind in COMBINED_KINDS:
+            merged.add(key)
+        row[1] += c.bytes
+    summary = {k: (c, b) for k, (c, b) in summary.items()}
+    comm = sum(cost.time(c) for c in colls) + cost.combined(combined)[0]
     peak = _peak_memory(p, root_choice)
     pred = Prediction(compute, comm, compute + comm, summary, peak)
     return pred, constraints, [f"{k} x{c}" for k, c in sorted(fallbacks.items())]
@@ -668,7 +713,8 @@ def _stats(graph: Graph, p: _Problem, req: SolverRequest, res: SolverResult, sec
         "followers_merged": p.stats["followers_merged"], "small": p.stats["small"],
         "tied": p.stats["tied"], "liveness_sets": len(req.liveness),
         "small_bytes": p.small_bytes, "search_seconds": seconds,
-        "solve_seconds": res.solve_time, "status": res.status,
+        "solve_seconds": res.solve_time, "status": res.status, "stalled": res.stalled,
+        "off_path": p.stats["off_path"],
     }
 
 

@@ -12,6 +12,15 @@ devices over a link of bandwidth ``bw`` (bytes/s per device) and latency ``alpha
 * all-to-all      ``(n-1)/n * b / bw + alpha``,  b = bytes each device holds (it keeps 1/n)
 * collective-permute ``b / bw + alpha``,         b = bytes each device sends (its whole piece)
 
+**Combining.** XLA's combiner passes (AllReduceCombiner, ReduceScatterCombiner) merge
+collectives of one kind over the same devices when none depends on another: the per-parameter
+gradient all-reduces of a train step become one or two (38 -> 2 on gpt-tiny). Such
+*independent* collectives pay their bandwidth each but the latency once per (kind, axes):
+``CostModel.combined`` prices a set of them, ``split`` separates the two parts, and
+``COMBINED_KINDS`` lists the kinds that combine. Which collectives are independent is the
+caller's call (``spmd.auto`` takes those of ops off the critical path: no matmul or
+convolution depends on them, e.g. weight gradients and the loss).
+
 B is counted the way ``spmd.analyze`` counts HLO bytes, so a prediction can be checked against
 the compiled program. A collective over several mesh axes runs at the slowest of their links
 (``DeviceMesh.link``). Axes of size 1 cost nothing and produce no collective.
@@ -53,9 +62,11 @@ import numpy as np
 from spmd.mesh import DeviceMesh
 from spmd.sharding import Spec
 
-__all__ = ["COLLECTIVE_KINDS", "Collective", "CostModel"]
+__all__ = ["COLLECTIVE_KINDS", "COMBINED_KINDS", "Collective", "CostModel"]
 
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+#: kinds XLA combines when independent (one latency per kind and axes; see ``CostModel.combined``)
+COMBINED_KINDS = ("all-reduce", "reduce-scatter")
 
 _Dims = list[tuple[str, ...]]
 
@@ -144,6 +155,39 @@ class CostModel:
         if fn is None:
             raise ValueError(f"unknown collective kind {c.kind!r}; known: {COLLECTIVE_KINDS}")
         return fn(c.bytes, c.axes)
+
+    def latency(self, c: Collective) -> float:
+        """The latency part of ``time(c)`` (0 when no axis of ``c`` splits devices)."""
+        axes = self._active(c.axes)
+        return self.mesh.link(axes).latency if axes else 0.0
+
+    def split(self, c: Collective) -> tuple[float, float]:
+        """``time(c)`` as (bandwidth seconds, latency seconds)."""
+        lat = self.latency(c)
+        return self.time(c) - lat, lat
+
+    def combined(self, colls: Sequence[Collective]) -> tuple[float, int]:
+        """Seconds and number of collectives after XLA combines ``colls``, all independent
+        of one another: those of a kind in ``COMBINED_KINDS`` pay their bandwidth each and one
+        latency per (kind, axes); the others are priced alone.
+
+        >>> from spmd.mesh import make_mesh
+        >>> cm = CostModel(make_mesh({"data": 2}, bandwidth=1e9, latency=1e-5))
+        >>> t, n = cm.combined([Collective("all-reduce", ("data",), 1000.0)] * 3)
+        >>> n, round(t * 1e6, 3)  # 3 x 1 us of bandwidth, one 10 us latency
+        (1, 13.0)
+        """
+        total, keys, alone = 0.0, {}, 0
+        for c in colls:
+            if c.kind not in COMBINED_KINDS:
+                total += self.time(c)
+                alone += 1
+                continue
+            bw, lat = self.split(c)
+            total += bw
+            key = (c.kind, self._active(c.axes))
+            keys[key] = max(keys.get(key, 0.0), lat)
+        return total + sum(keys.values()), alone + len(keys)
 
     # -- compute ----------------------------------------------------------------------------
     def compute(self, flops: float, dtype) -> float:

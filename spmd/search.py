@@ -104,7 +104,7 @@ def _warn_trivial_axes(mesh: DeviceMesh) -> None:
 def predict_manual(sig: StepSignature, mesh: DeviceMesh, method: str,
                    options: SearchOptions, jaxpr=None) -> Prediction:
     """The cost model's view of a hand-written plan (intermediates chosen by the ILP)."""
-    jaxpr = jaxpr if jaxpr is not None else jax.make_jaxpr(sig.flat_fn)(*sig.in_avals)
+    jaxpr = jaxpr if jaxpr is not None else sig.jaxpr
     specs = manual_specs(sig.leaves, method, mesh)
     return score(jaxpr, _inputs(sig, mesh, options), mesh, specs,
                  output_aliases=sig.output_aliases, time_limit=min(options.time_limit, 10.0))
@@ -113,11 +113,12 @@ def predict_manual(sig: StepSignature, mesh: DeviceMesh, method: str,
 def auto_plan(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions) -> Plan:
     """Search a plan for the step (or load it from the cache)."""
     _warn_trivial_axes(mesh)
-    jaxpr = jax.make_jaxpr(sig.flat_fn)(*sig.in_avals)
+    jaxpr = sig.jaxpr
     inputs = _inputs(sig, mesh, options)
-    key = _cache_key(jaxpr, inputs, mesh, options)
-    path = options.directory() / f"{key}.json"
-    if options.cache and path.exists():
+    path = None
+    if options.cache:  # hashing a large jaxpr's text takes seconds: only when caching
+        path = options.directory() / f"{_cache_key(jaxpr, inputs, mesh, options)}.json"
+    if path is not None and path.exists():
         try:
             cached = Plan.from_dict(json.loads(path.read_text()), mesh)
         except (ValueError, KeyError, TypeError):
@@ -153,14 +154,16 @@ def auto_plan(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions) -> P
                       stacklevel=3)
     stats = dict(result.stats)
     if solver is not None:
-        stats.update(objective=solver.objective, bound=solver.bound, status=solver.status)
+        # stalled: stopped early with no better plan coming (not a time-out: no warning)
+        stats.update(objective=solver.objective, bound=solver.bound, status=solver.status,
+                     timed_out=solver.timed_out, stalled=solver.stalled)
     stats["fallbacks"] = result.fallbacks
     stats["warm_start_from"] = best[1] if best else None
     planned = Plan(method="auto", mesh=mesh, leaves=sig.leaves, input_specs=result.input_specs,
                    output_specs=list(result.output_specs), prediction=result.prediction.to_dict(),
                    search=stats, constraints=dict(result.constraints), alternatives=alternatives,
                    signature=sig, jaxpr=jaxpr)
-    if options.cache:
+    if path is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             planned.save(path)

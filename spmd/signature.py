@@ -99,8 +99,9 @@ class StepSignature:
         self.num_state_leaves = len(jax.tree.leaves(state))
         self.leaves = self._classify(args, names, state, logical_axes)
         self._out_treedef = None
-        self.out_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in
-                          jax.tree.leaves(jax.eval_shape(self.flat_fn, *self.in_avals))]
+        # One trace gives both the output shapes and the jaxpr the planner searches over.
+        self.jaxpr, shapes = jax.make_jaxpr(self.flat_fn, return_shape=True)(*self.in_avals)
+        self.out_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in jax.tree.leaves(shapes)]
         self.output_aliases = self._aliases()
 
     # -- the pure function ------------------------------------------------------------------
@@ -226,8 +227,7 @@ class StepSignature:
             for i in range(self.num_state_leaves):
                 aliases[i] = i
             return aliases
-        out = jax.eval_shape(lambda *xs: jax.tree.unflatten(self._out_treedef, self.flat_fn(*xs)),
-                             *self.in_avals)
+        out = jax.tree.unflatten(self._out_treedef, self.out_avals)
         outs = out if isinstance(out, tuple) else (out,)
         offsets, start = [], 0
         for item in outs:

@@ -135,6 +135,8 @@ class SolverResult:
 
 
 def _encode(x):
+    if isinstance(x, np.ndarray):
+        x = x.tolist()
     if isinstance(x, float) and math.isinf(x):
         return "inf" if x > 0 else "-inf"
     if isinstance(x, (list, tuple)):
@@ -200,7 +202,7 @@ def validate(request: SolverRequest) -> None:
         if len(mat) != ku or any(len(row) != kv for row in mat):
             raise PlanError(f"solver request: edge {e} {name(u)} -> {name(v)} needs a "
                             f"{ku} x {kv} cost matrix")
-        if any(math.isnan(c) for row in mat for c in row):
+        if np.isnan(np.asarray(mat, dtype=float)).any():
             raise PlanError(f"solver request: edge {e} {name(u)} -> {name(v)} has a NaN cost")
     for i, live in enumerate(r.liveness):
         bad = [v for v in live if not 0 <= v < n]
