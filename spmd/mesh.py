@@ -220,9 +220,8 @@ def load_mesh(path: str | os.PathLike, virtual: bool | None = None) -> DeviceMes
                 raise MeshError(f"{key}: expected keys size and optionally bandwidth, latency; "
                                 f"got {sorted(spec)}")
             sizes.append(_number(spec["size"], f"{key}.size", int))
-            if _LINK_KEYS & set(spec):
-                overrides[str(name)] = _link({k: spec[k] for k in _LINK_KEYS if k in spec}
-                                             | {k: spec.get(k, 0) for k in _LINK_KEYS}, key)
+            if _LINK_KEYS & set(spec):  # an axis with its own link: both figures required
+                overrides[str(name)] = _link({k: spec[k] for k in _LINK_KEYS if k in spec}, key)
         else:
             sizes.append(_number(spec, key, int))
         names.append(str(name))

@@ -149,18 +149,19 @@ class Plan:
         from rich.table import Table
 
         table = Table(title="predicted cost per step (cost model)")
-        for col in ("plan", "compute ms", "comm ms", "total ms", "collective MiB", "memory MiB"):
-            table.add_column(col, justify="left" if col == "plan" else "right")
+        for col in ("plan", "compute ms", "comm ms", "total ms", "collective MiB", "memory MiB",
+                    "note"):
+            table.add_column(col, justify="left" if col in ("plan", "note") else "right")
         entries = ([(f"{self.method} (this plan)", self.prediction)] if self.prediction else [])
         entries += [(name, pred) for name, pred in self.alternatives.items()]
         for name, pred in entries:
             if isinstance(pred, str) or pred is None:
-                table.add_row(name, "n/a", "", "", "", pred or "")
+                table.add_row(name, "", "", "", "", "", pred or "")
                 continue
             coll = sum(b for _, b in pred["collectives"].values())
             table.add_row(name, f"{pred['compute_time'] * 1e3:.3f}",
                           f"{pred['comm_time'] * 1e3:.3f}", f"{pred['total_time'] * 1e3:.3f}",
-                          f"{coll / 2**20:.3f}", f"{pred['memory_bytes'] / 2**20:.2f}")
+                          f"{coll / 2**20:.3f}", f"{pred['memory_bytes'] / 2**20:.2f}", "")
         return table
 
     def _measured_table(self):

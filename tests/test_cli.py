@@ -64,3 +64,18 @@ def test_models_and_meshes_list(capsys):
     assert code == 0 and "gpt-13b" in out and "wresnet-tiny" in out
     code, out, _ = _run(capsys, "meshes")
     assert code == 0 and "a100-2x8" in out
+
+
+def test_plan_for_a_cluster_that_is_not_here(capsys, tmp_path):
+    """64 virtual A100s planned on this CPU box, saved as JSON and loaded back."""
+    import spmd
+    from spmd.plan import Plan
+
+    saved = tmp_path / "plan.json"
+    code, out, err = _run(capsys, "plan", "--model", "gpt-125m", "--mesh", "meshes/a100-8x8.yaml",
+                          "--method", "fsdp", "--batch-size", "64", "--save", str(saved))
+    assert code == 0, err
+    assert "virtual mesh a100-8x8: 64 x a100-40gb" in out
+    plan = Plan.load(saved, spmd.load_mesh("meshes/a100-8x8.yaml", virtual=True))
+    specs = {leaf.path: spec for leaf, spec in zip(plan.leaves, plan.input_specs)}
+    assert specs["model/blocks/0/mlp/wi"] == (("data", "model"), ())
