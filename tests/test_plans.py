@@ -38,20 +38,26 @@ def _reference(spec):
     return _REFERENCE[spec.name]
 
 
-@pytest.mark.parametrize("method", list(METHODS))
+# A short search: these tests check numerics, not plan quality (see bench/).
+FAST_SEARCH = spmd.SearchOptions(compare=False, time_limit=5.0)
+
+
+@pytest.mark.parametrize("method", ["auto", *METHODS])
 @pytest.mark.parametrize("name", TINY)
 def test_loss_and_gradients_match_one_device(mesh, name, method):
     spec = models.get(name)
     batch = spec.batch(spec.default_batch_size, 0)
     grads_fn = _value_and_grad(spec)
     abstract = nnx.eval_shape(lambda: spec.create(0))
-    sig_leaves = spmd.plan(grads_fn, abstract, batch, mesh=mesh, method="dp").leaves
-    why_not = applicable_methods(sig_leaves, mesh)[method]
-    if why_not:
-        pytest.skip(f"{method} does not apply to {name}: {why_not}")
-    plan = spmd.plan(grads_fn, abstract, batch, mesh=mesh, method=method)
+    if method != "auto":
+        sig_leaves = spmd.plan(grads_fn, abstract, batch, mesh=mesh, method="dp").leaves
+        why_not = applicable_methods(sig_leaves, mesh)[method]
+        if why_not:
+            pytest.skip(f"{method} does not apply to {name}: {why_not}")
+    step = spmd.parallelize(grads_fn, mesh=mesh, method=method, options=FAST_SEARCH)
+    plan = step.plan_for(abstract, batch)
     model = spmd.materialize(lambda: spec.create(0), plan)
-    loss, grads = spmd.parallelize(grads_fn, mesh=mesh, method=method)(model, batch)
+    loss, grads = step(model, batch)
     ref_loss, ref_grads = _reference(spec)
     np.testing.assert_allclose(float(loss), ref_loss, rtol=2e-5)
     for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(grads),
