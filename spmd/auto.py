@@ -396,6 +396,19 @@ class _Problem:
     def out_spec(self, v: Value, root_choice: int) -> Spec:
         return self.strategy_of(v.node, root_choice).out_specs[v.index]
 
+    def _spec_list(self, node: int, index: int, out: bool) -> tuple[Spec, ...]:
+        """The spec of ``node``'s output (``out``) or operand ``index`` under each of its
+        root's strategies; repeated layers share their strategy lists, so this is memoized
+        on the list and the follower map."""
+        ss, fm = self.strats[node], self.fmap[node]
+        key = (id(ss), fm.tobytes(), index, out)
+        cache = self.__dict__.setdefault("_scache", {})
+        hit = cache.get(key)
+        if hit is None:
+            hit = cache[key] = (tuple(ss[k].out_specs[index] for k in fm.tolist()) if out else
+                                tuple(ss[k].in_specs[index] for k in fm.tolist()), ss)
+        return hit[0]
+
     # -- the request ---------------------------------------------------------------------
     def request(self, memory_budget: float | None, time_limit: float) -> SolverRequest:
         g, nodes = self.g, self.g.nodes
@@ -416,19 +429,20 @@ class _Problem:
                     continue
                 ru = self.root[v.node]
                 shape, dtype = g.value_shape(v), g.value_dtype(v)
-                src = [self.out_spec(v, k) for k in range(len(self.strats[ru]))]
+                src = self._spec_list(v.node, v.index, True)
+                dst = self._spec_list(n.id, i, False)
                 if ru == rv:
-                    dst = [self.strategy_of(n.id, k).in_specs[i] for k in range(len(src))]
-                    costs[self.index[rv]] += [self._reshard_time(shape, dtype, a, b) for a, b in zip(src, dst)]
+                    if src != dst:
+                        costs[self.index[rv]] += [self._reshard_time(shape, dtype, a, b)
+                                                  for a, b in zip(src, dst)]
                     continue
-                dst = [self.strategy_of(n.id, k).in_specs[i] for k in range(len(self.strats[rv]))]
                 add_edge(self.index[ru], self.index[rv], self._matrix(shape, dtype, src, dst))
         for out_i, in_j in self.aliases.items():
             v, inp = g.outputs[out_i], g.inputs[in_j]
             if v is None or v.node == inp:
                 continue
             ru = self.root[v.node]
-            src = [self.out_spec(v, k) for k in range(len(self.strats[ru]))]
+            src = self._spec_list(v.node, v.index, True)
             dst = [s.out_specs[0] for s in self.strats[inp]]
             mat = np.array([[0.0 if a == b else math.inf for b in dst] for a in src])
             add_edge(self.index[ru], self.index[inp], mat)
@@ -455,8 +469,13 @@ class _Problem:
             cache[key] = self.cost.reshard(shape, dtype, src, dst)
         return cache[key]
 
-    def _matrix(self, shape, dtype, src: list[Spec], dst: list[Spec]) -> np.ndarray:
+    def _matrix(self, shape, dtype, src: Sequence[Spec], dst: Sequence[Spec]) -> np.ndarray:
         """Reshard seconds for every (src, dst) pair, each distinct pair priced once."""
+        full = self.__dict__.setdefault("_fcache", {})
+        fkey = (shape, dtype, id(src), id(dst))
+        hit = full.get(fkey)
+        if hit is not None and hit[1] is src and hit[2] is dst:
+            return hit[0]
         us, vs = {}, {}
         ui = np.array([us.setdefault(s, len(us)) for s in src])
         vi = np.array([vs.setdefault(s, len(vs)) for s in dst])
@@ -465,7 +484,9 @@ class _Problem:
         if key not in cache:
             cache[key] = np.array([[self._reshard_time(shape, dtype, a, b) for b in vs]
                                    for a in us]).reshape(len(us), len(vs))
-        return cache[key][np.ix_(ui, vi)]
+        out = cache[key][np.ix_(ui, vi)]
+        full[fkey] = (out, src, dst)  # holding src, dst keeps their ids unique
+        return out
 
     # -- memory --------------------------------------------------------------------------
     def intervals(self) -> list[tuple[Value, int, int]]:
@@ -496,6 +517,16 @@ class _Problem:
             cache[key] = float(bytes_per_device(shape, dtype, spec, self.mesh_shape))
         return cache[key]
 
+    def _bytes_row(self, v: Value) -> np.ndarray:
+        """Bytes per device of value ``v`` under each strategy of its root (memoized)."""
+        specs = self._spec_list(v.node, v.index, True)
+        shape, dtype = self.g.value_shape(v), self.g.value_dtype(v)
+        cache = self.__dict__.setdefault("_rcache", {})
+        key = (shape, dtype, specs)
+        if key not in cache:
+            cache[key] = np.array([self._value_bytes(v, s) for s in specs], dtype=float)
+        return cache[key]
+
     def _memory(self) -> tuple[list[list[float]], list[list[int]]]:
         ivs = self.intervals()
         npts = len(self.g.nodes) + 1
@@ -517,13 +548,18 @@ class _Problem:
                 if cur > best:
                     best, best_t = cur, t
             live = [v for v, a, b in vals if a <= best_t <= b]
-            memory.append([sum(self._value_bytes(v, self.out_spec(v, k)) for v in live)
-                           for k in range(len(self.strats[r]))])
+            row = np.zeros(len(self.strats[r]))
+            for v in live:
+                row += self._bytes_row(v)
+            memory.append(row.tolist())
         totals = np.cumsum(diff)[:npts]
         points = np.argsort(-totals, kind="stable")[:LIVENESS_POINTS]
         sets, seen = [], set()
+        starts = np.array([a for _, a, _ in ivs], dtype=np.int64)
+        ends = np.array([b for _, _, b in ivs], dtype=np.int64)
+        owner = np.array([self.index[self.root[v.node]] for v, _, _ in ivs], dtype=np.int64)
         for t in sorted(points.tolist()):
-            live = frozenset(self.index[self.root[v.node]] for v, a, b in ivs if a <= t <= b)
+            live = frozenset(np.unique(owner[(starts <= t) & (t <= ends)]).tolist())
             if live and live not in seen:
                 seen.add(live)
                 sets.append(sorted(live))
@@ -689,11 +725,16 @@ def _warm_choice(p: _Problem, closed_jaxpr, graph, inputs, mesh, specs, aliases,
     chosen = q.node_choice(res.choice)
     warm = []
     for r in p.roots:
-        name = q.strategy_of(r, chosen[r]).name
+        s = q.strategy_of(r, chosen[r])
         names = p._names(r)
-        if name not in names:
-            return None
-        warm.append(names.index(name))
+        if s.name in names:
+            warm.append(names.index(s.name))
+            continue
+        # Not among the search's candidates (e.g. a small input it keeps replicated): the
+        # candidate producing the same specs, or the first; the solver's local search
+        # repairs what that breaks.
+        same = [k for k, t in enumerate(p.strats[r]) if t.out_specs == s.out_specs]
+        warm.append(same[0] if same else 0)
     # Tied nodes must agree with their representative.
     for i, rep in enumerate(p.same_as):
         if rep >= 0:

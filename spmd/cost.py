@@ -100,6 +100,10 @@ class CostModel:
     def __init__(self, mesh: DeviceMesh):
         self.mesh = mesh
         self._sizes = mesh.shape
+        #: the platform XLA compiles the step for, which decides the collectives it emits:
+        #: a virtual mesh (a cluster that is not present) is compiled on CPU devices, so its
+        #: collectives are the CPU partitioner's, priced with the mesh's own links.
+        self.compile_platform = "cpu" if mesh.virtual else mesh.platform
 
     # -- helpers -----------------------------------------------------------------------
     def _active(self, axes: Sequence[str] | str | None) -> tuple[str, ...]:
@@ -207,7 +211,8 @@ class CostModel:
         (B = per-device bytes before scattering); the rest an all-reduce with B = per-device
         bytes of the result under ``out_spec``. On a CPU mesh XLA has no reduce-scatter
         pass: it all-reduces the unscattered result over every summed axis, then slices
-        locally, and that is what is predicted there.
+        locally, and that is what is predicted there (and on a virtual mesh, which compiles
+        on CPU devices).
 
         >>> from spmd.mesh import make_mesh
         >>> cm = CostModel(make_mesh({"data": 2, "model": 4}))
@@ -220,7 +225,7 @@ class CostModel:
         scatter = tuple(a for a in sum_axes if a in used)
         reduce = tuple(a for a in sum_axes if a not in used)
         colls: list[Collective] = []
-        if scatter and self.mesh.platform == "cpu":
+        if scatter and self.compile_platform == "cpu":
             before = [tuple(a for a in d if a not in scatter) for d in out]
             colls.append(Collective("all-reduce", sum_axes, self._bytes(shape, dtype, before)))
             return self.time(colls[0]), tuple(colls)

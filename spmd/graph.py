@@ -23,6 +23,7 @@ and the graph agree on names.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -131,7 +132,7 @@ class Graph:
         return self.nodes[v.node].op.out_dtypes[v.index]
 
     def value_bytes(self, v: Value) -> int:
-        return int(np.prod(self.value_shape(v), dtype=np.int64)) * np.dtype(self.value_dtype(v)).itemsize
+        return _array_bytes(self.value_shape(v), self.value_dtype(v))
 
     def size(self) -> dict[str, int]:
         ops = sum(1 for n in self.nodes if n.kind == "op")
@@ -289,3 +290,8 @@ def _remat_barrier(eqn, invals: list[Any], jax) -> list[Any]:
     for i, v in zip(idx, barred):
         out[i] = v
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _array_bytes(shape: tuple[int, ...], dtype) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize

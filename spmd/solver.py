@@ -19,8 +19,11 @@ u-class and columns to the v-class literals (the tight "local polytope" relaxati
 ones an integer c >= sum_j R[i][j] * y[v,j] enforced by y[u,i] (k_u constraints, no k_u * k_v
 booleans). ``inf`` means forbidden: the strategy or the pair is excluded, never scaled.
 
-CP-SAT (2 workers) starts from a complete hint: the better of ``warm_start`` and a fast local
-search (greedy, chain Viterbi, coordinate descent). On large models (> ``PRESOLVE_LIMIT``
+CP-SAT (2 workers) starts from a complete hint: the best of ``warm_start`` and a fast local
+search (spanning-tree dynamic programs, coordinate descent) run from several starts (greedy,
+every group's first / last / cheapest strategy, the warm start). It stops once no plan better
+by ``STALL_GAIN`` came for a short window; models over ``LIGHT_PRESOLVE_LIMIT`` variables get
+one presolve round. On large models (> ``PRESOLVE_LIMIT``
 variables) presolve is skipped, as on 2 cores it alone outlasts a limit of seconds. Measured
 on 2 cores: a planner-like 2,000-node / 3,000-edge request (4-30 strategies) returns a
 feasible plan in ~10 s with a 10 s limit, ~13% above the proven bound; the LP bound, not the
@@ -63,11 +66,17 @@ MARGINAL_LIMIT = 16
 NUM_WORKERS = 2
 # Models with more variables than this skip CP-SAT's presolve (see ``_run``).
 PRESOLVE_LIMIT = 20_000
+# ... and above this many, run a single presolve iteration (see ``_run``).
+LIGHT_PRESOLVE_LIMIT = 5_000
 # CP-SAT stops early when no better plan came for max(STALL_MIN_SECONDS, STALL_FRACTION x
 # time limit): on 2 cores its bound stays loose, so waiting out the limit rarely pays (the
 # plan is then reported "feasible", not timed out; the bound says how far it may be off).
-STALL_MIN_SECONDS = 2.0
-STALL_FRACTION = 0.2
+STALL_MIN_SECONDS = 1.5
+STALL_FRACTION = 0.05
+# Only plans at least this much (relative) better than the last such one restart the stall
+# clock: on large models CP-SAT keeps finding plans better by a fraction of a percent, and
+# waiting for each of them ran the search to its limit (20 s on a 24-layer GPT, for < 1%).
+STALL_GAIN = 0.005
 
 
 @dataclasses.dataclass
@@ -199,7 +208,9 @@ def validate(request: SolverRequest) -> None:
             raise PlanError(f"solver request: edge {e} ({u}, {v}) does not join two nodes of {n}")
         mat = r.edge_costs[e]
         ku, kv = len(r.strategy_names[u]), len(r.strategy_names[v])
-        if len(mat) != ku or any(len(row) != kv for row in mat):
+        shape = mat.shape if isinstance(mat, np.ndarray) else None
+        if (shape != (ku, kv) if shape is not None
+                else len(mat) != ku or any(len(row) != kv for row in mat)):
             raise PlanError(f"solver request: edge {e} {name(u)} -> {name(v)} needs a "
                             f"{ku} x {kv} cost matrix")
         if np.isnan(np.asarray(mat, dtype=float)).any():
@@ -364,9 +375,9 @@ def rescale(unary: Sequence[Sequence[float]],
 def solve(request: SolverRequest) -> SolverResult:
     """Pick one strategy per node minimizing Σ node + edge costs under the memory budget.
 
-    A fast local search (greedy in node order, then coordinate descent) seeds CP-SAT's hint
-    together with ``warm_start``, whichever is better, and is the fallback when CP-SAT finds
-    nothing in the time limit.
+    A fast local search (greedy, then spanning-tree dynamic programs and coordinate descent;
+    also run from ``warm_start``) seeds CP-SAT's hint together with ``warm_start``, whichever
+    is better, and is the fallback when CP-SAT finds nothing in the time limit.
 
     Raises:
         PlanError: the request is inconsistent, or no solution was found in the time limit.
@@ -380,15 +391,29 @@ def solve(request: SolverRequest) -> SolverResult:
     prob = _reduce(request)
     scaled = rescale(prob.unary, prob.pairs)
     limit = request.time_limit
-    seeds = [_local_search(prob, deadline=start + max(0.15 * limit, min(2.0, 0.5 * limit)))]
+    deadline = start + max(0.15 * limit, min(2.0, 0.5 * limit))
+    seeds = [_local_search(prob, deadline=deadline)]
+    # More starts (local optima differ widely: on a 24-layer GPT the all-first-strategy start,
+    # mostly replicated, ended 39% below the greedy one): every group's first, last, and
+    # cheapest own strategy, each improved by the same moves while time allows.
+    for init in ([0] * len(prob.unary), [len(u) - 1 for u in prob.unary],
+                 [int(np.argmin(u)) for u in prob.unary]):
+        if time.perf_counter() > deadline:
+            break
+        seeds.append(_local_search(prob, deadline=deadline,
+                                   start=[init[g] for g in prob.group_of]))
     if request.warm_start is not None:
         seeds.append(list(request.warm_start))
+        # The warm start improved (and repaired, where it forbids a pair) by the same moves.
+        seeds.append(_local_search(prob, deadline=max(deadline, time.perf_counter() + 0.5),
+                                   start=request.warm_start))
     scored = sorted((evaluate(request, c), i, c) for i, c in enumerate(seeds)
                     if _admissible(request, c))
     hint = scored[0][2] if scored else seeds[0]
     built = _build(request, prob, scaled, with_memory=True, objective=True, hint=hint)
     remaining = max(request.time_limit - (time.perf_counter() - start), 0.05 * request.time_limit)
-    status, solver, stalled = _run(built.model, remaining, _stall_seconds(request.time_limit))
+    status, solver, stalled = _run(built.model, remaining, _stall_seconds(request.time_limit),
+                                   offset=scaled.offset * scaled.scale)
     if status == cp_model.INFEASIBLE:
         _explain_infeasible(request, prob, scaled)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -420,13 +445,15 @@ def _admissible(r: SolverRequest, choice: Sequence[int]) -> bool:
             and (r.memory_budget is None or memory_peak(r, choice) <= r.memory_budget))
 
 
-def _local_search(prob: _Problem, deadline: float, sweeps: int = 20) -> list[int]:
-    """A feasible seed in well under a second: greedy in group order, then rounds of
-    (a) Viterbi along the chain of consecutive groups, other neighbours held fixed, kept when
-    it lowers the total, (b) coordinate descent (each group's best reply to its neighbours)
-    and (c) the same for the two ends of each edge jointly (a parameter and its new value
-    are tied by ``inf`` and only move together) until nothing improves or the deadline
-    passes."""
+def _local_search(prob: _Problem, deadline: float, sweeps: int = 60,
+                  patience: int = 3, start: Sequence[int] | None = None) -> list[int]:
+    """A feasible seed in well under a second: greedy in group order (or ``start``, one
+    strategy per node), then rounds of (a) an exact min-sum dynamic program over a spanning
+    forest of the group graph (program order first, then random trees), the other edges'
+    neighbours held fixed, kept when it lowers the total, (b) coordinate descent (each
+    group's best reply to its neighbours) and (c) the same for the two ends of each edge
+    jointly (a parameter and its new value are tied by ``inf`` and only move together) until
+    ``patience`` rounds bring no gain or the deadline passes."""
     n = len(prob.groups)
     adj: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(n)]
     for (gu, gv), mat in prob.pairs.items():
@@ -453,36 +480,81 @@ def _local_search(prob: _Problem, deadline: float, sweeps: int = 20) -> list[int
         return (sum(float(prob.unary[g][p[g]]) for g in range(n))
                 + sum(float(m[p[u], p[v]]) for (u, v), m in prob.pairs.items()))
 
-    def viterbi() -> list[int]:
-        back, dp = [], None
-        for g in range(n):
-            cost = prob.unary[g].copy()
-            for h, mat in adj[g]:
-                if abs(h - g) != 1:
-                    cost += mat[:, pick[h]]
-            if g and (g - 1, g) in prob.pairs:
-                step = dp[:, None] + prob.pairs[(g - 1, g)]
-                arg = np.argmin(step, axis=0)
-                back.append(arg)
-                dp = cost + step[arg, np.arange(len(cost))]
-            else:
-                back.append(None if not g else np.full(len(cost), int(np.argmin(dp))))
-                dp = cost + (float(np.min(dp)) if g else 0.0)
-        out = [0] * n
-        out[-1] = int(np.argmin(dp))
-        for g in range(n - 1, 0, -1):
-            out[g - 1] = int(back[g][out[g]])
+    rng = np.random.default_rng(0)
+    edge_keys = list(prob.pairs)
+
+    def tree_dp(weights: np.ndarray) -> list[int]:
+        """Exact min over a spanning forest of the group graph (a minimum spanning forest
+        under ``weights``), the other edges' neighbours held at their current picks: moves
+        whole chains at once (a parameter, its gradient's reduction and its update)."""
+        parent = list(range(n))
+
+        def find(a: int) -> int:
+            while parent[a] != a:
+                parent[a] = parent[parent[a]]
+                a = parent[a]
+            return a
+
+        tree: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(n)]
+        in_tree = set()
+        for e in np.argsort(weights, kind="stable").tolist():
+            gu, gv = edge_keys[e]
+            ru, rv = find(gu), find(gv)
+            if ru != rv:
+                parent[ru] = rv
+                in_tree.add((gu, gv))
+                tree[gu].append((gv, prob.pairs[(gu, gv)]))
+                tree[gv].append((gu, prob.pairs[(gu, gv)].T))
+        local = [prob.unary[g].copy() for g in range(n)]
+        for (gu, gv), mat in prob.pairs.items():
+            if (gu, gv) not in in_tree:
+                local[gu] += mat[:, pick[gv]]
+                local[gv] += mat[pick[gu], :]
+        out = list(pick)
+        seen = [False] * n
+        for root in range(n):
+            if seen[root]:
+                continue
+            order, up = [], {root: (-1, None)}
+            stack = [root]
+            seen[root] = True
+            while stack:  # DFS order: parents before children
+                a = stack.pop()
+                order.append(a)
+                for b, mat in tree[a]:
+                    if not seen[b]:
+                        seen[b] = True
+                        up[b] = (a, mat)  # parent strategies x child strategies
+                        stack.append(b)
+            belief = {a: local[a].copy() for a in order}
+            arg = {}
+            for a in reversed(order):  # children first: send min-sum messages up
+                p, mat = up[a]
+                if p >= 0:
+                    step = mat + belief[a][None, :]
+                    arg[a] = np.argmin(step, axis=1)
+                    belief[p] += step[np.arange(step.shape[0]), arg[a]]
+            out[root] = int(np.argmin(belief[root]))
+            for a in order[1:]:
+                out[a] = int(arg[a][out[up[a][0]]])
         return out
 
-    for g in range(n):
-        pick[g] = best(g)
+    if start is not None:  # improve a given assignment (a warm start) instead of greedy
+        pick = [int(start[g]) for g in prob.groups]
+    else:
+        for g in range(n):
+            pick[g] = best(g)
     current = total(pick)
+    idle = 0
     for _ in range(sweeps):
         if time.perf_counter() > deadline:
             break
         before = current
-        if n > 1:
-            trial = viterbi()
+        if edge_keys:
+            # First along the program order (consecutive groups), then random trees.
+            w = (np.array([abs(v - u) for u, v in edge_keys], dtype=float) if _ == 0
+                 else rng.random(len(edge_keys)))
+            trial = tree_dp(w)
             value = total(trial)
             if value < current:
                 pick, current = trial, value
@@ -493,7 +565,8 @@ def _local_search(prob: _Problem, deadline: float, sweeps: int = 20) -> list[int
             i, j = np.unravel_index(int(np.argmin(joint)), joint.shape)
             pick[gu], pick[gv] = int(i), int(j)
         current = total(pick)
-        if not current < before:
+        idle = 0 if current < before * (1 - 1e-9) else idle + 1
+        if idle >= patience or not edge_keys and idle:
             break
     return [pick[g] for g in prob.group_of]
 
@@ -650,8 +723,9 @@ def _stall_seconds(time_limit: float) -> float:
     return max(STALL_MIN_SECONDS, STALL_FRACTION * time_limit)
 
 
-def _run(model, time_limit: float, stall: float | None = None):
-    """Solve; with ``stall``, stop once no better solution came for ``stall`` seconds.
+def _run(model, time_limit: float, stall: float | None = None, offset: float = 0.0):
+    """Solve; with ``stall``, stop once no solution better by ``STALL_GAIN`` (relative to
+    the objective plus ``offset``, in the model's units) came for ``stall`` seconds.
 
     Returns (status, solver, stalled): ``stalled`` is True when the search was stopped early
     that way (the plan is then the best found, not proven optimal)."""
@@ -662,7 +736,12 @@ def _run(model, time_limit: float, stall: float | None = None):
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = NUM_WORKERS
     solver.parameters.max_time_in_seconds = float(time_limit)
-    if len(model.Proto().variables) > PRESOLVE_LIMIT:
+    size = len(model.Proto().variables)
+    if size > LIGHT_PRESOLVE_LIMIT:
+        # One presolve round: the (hinted) first plan comes in ~0.6 s instead of ~2 s on a
+        # 7,000-variable model, which is most of the search's time once the hint is good.
+        solver.parameters.max_presolve_iterations = 1
+    if size > PRESOLVE_LIMIT:
         # On 2 cores CP-SAT's presolve of a large model alone outlasts a time limit of
         # seconds; without it the search starts at once from the (complete) hint.
         solver.parameters.cp_model_presolve = False
@@ -670,16 +749,23 @@ def _run(model, time_limit: float, stall: float | None = None):
         return solver.Solve(model), solver, False
 
     last = [time.perf_counter()]
+    mark = [math.inf]  # objective (plus offset) of the last plan that restarted the clock
     stopped = threading.Event()
     done = threading.Event()
 
     class _Improved(cp_model.CpSolverSolutionCallback):
         def on_solution_callback(self) -> None:
-            last[0] = time.perf_counter()
+            value = self.ObjectiveValue() + offset
+            if not math.isfinite(mark[0]) or value < mark[0] - STALL_GAIN * abs(mark[0]):
+                mark[0] = value
+                last[0] = time.perf_counter()
 
     def watch() -> None:
         while not done.wait(0.05):
-            if time.perf_counter() - last[0] > stall:
+            # Loading a large model takes a while before the first (hinted) plan: allow
+            # twice the window for it.
+            wait = stall if math.isfinite(mark[0]) else 2 * stall
+            if time.perf_counter() - last[0] > wait:
                 stopped.set()
                 solver.stop_search()
                 return

@@ -87,8 +87,15 @@ def test_partial_sum_by_hand(cm):
     assert cs == (Collective("all-reduce", ("model",), 32 * 32 * 4.0),)
     assert t == pytest.approx(2 * 0.75 * 4096 / (100 * GB) + 2e-6)
     # summed axis that also splits the output: reduce-scatter, B = bytes before scattering
-    _, cs = cm.partial_sum((64, 32), "float32", ((), ("model",)), ("model",))
+    # (on a GPU cluster that is present; a virtual one compiles on CPU, see below)
+    gpu = CostModel(make_mesh({"data": 2, "model": 4}, device="a100-40gb", platform="gpu"))
+    assert gpu.compile_platform == "gpu"
+    _, cs = gpu.partial_sum((64, 32), "float32", ((), ("model",)), ("model",))
     assert cs == (Collective("reduce-scatter", ("model",), 64 * 32 * 4.0),)
+    # a virtual GPU mesh is compiled by XLA:CPU: predict what that emits
+    assert cm.compile_platform == "cpu"
+    _, cs = cm.partial_sum((64, 32), "float32", ((), ("model",)), ("model",))
+    assert cs == (Collective("all-reduce", ("model",), 64 * 32 * 4.0),)
     # ... except on XLA:CPU, which all-reduces the whole result and slices
     cpu = CostModel(make_mesh({"data": 2, "model": 4}))
     _, cs = cpu.partial_sum((64, 32), "float32", ((), ("model",)), ("model",))

@@ -254,3 +254,21 @@ def test_large_request_solves_in_seconds():
     assert res.objective == pytest.approx(evaluate(req, res.choice))
     # better than the trivial plan "everyone takes strategy 0"
     assert res.objective < evaluate(req, [0] * 2000)
+
+
+def test_local_search_moves_tied_chains_and_repairs_a_warm_start():
+    """Three nodes that must agree (``inf`` off the diagonal): switching one or two of them is
+    forbidden, so greedy and pairwise moves stay at cost 3; the spanning-tree dynamic program
+    moves the chain at once to the optimum 2. A forbidden warm start is repaired the same way."""
+    from spmd.solver import _local_search, _reduce
+
+    tie = [[0.0, INF], [INF, 0.0]]
+    req = request([[0.0, 1.0], [0.0, 1.0], [3.0, 0.0]], edges=[(0, 1), (1, 2)],
+                  edge_costs=[tie, tie])
+    prob = _reduce(req)
+    deadline = time.perf_counter() + 5.0
+    assert _local_search(prob, deadline) == [1, 1, 1]
+    assert _local_search(prob, deadline, start=[0, 1, 0]) == [1, 1, 1]
+    req.warm_start = [0, 1, 0]  # forbidden pairs: only its repaired version is a seed
+    res = solve(req)
+    assert res.choice == [1, 1, 1] and res.objective == pytest.approx(2.0)
