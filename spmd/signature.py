@@ -147,8 +147,7 @@ class StepSignature:
         return tuple(args)
 
     def unflatten_output_values(self, flat: Sequence[Any]) -> Any:
-        if self._out_treedef is None:
-            jax.eval_shape(self.flat_fn, *self.in_avals)
+        """Arrange per-output values (e.g. shardings) like the step's outputs."""
         return jax.tree.unflatten(self._out_treedef, flat)
 
     # -- classification -----------------------------------------------------------------------
@@ -213,7 +212,6 @@ class StepSignature:
                                 f"logical_axes for parameter {'/'.join(keys)}: {names} names "
                                 f"{len(names)} dimensions but the array has shape {shape}")
                     entries[keys] = (shape, names)
-                self._params_position = pos
                 return {"position": pos, "entries": entries}
         raise PlanError(
             "logical_axes does not match the structure of any argument; it must be a pytree of "
