@@ -38,7 +38,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 import warnings
 from pathlib import Path
 from typing import Any
@@ -505,17 +504,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.worker:
         model, mesh = args.worker
-        try:
-            case = run_case(model, mesh, args.time_limit, args.steps)
-        except Exception as err:  # noqa: BLE001 - reported by the driver
-            case = {"model": model, "mesh": mesh, "error": f"{type(err).__name__}: {err}",
-                    "traceback": traceback.format_exc()}
-        text = json.dumps(case, default=str)
-        if args.result:
-            args.result.write_text(text)
-        else:
-            print(text)
-        return 0
+        return common.run_worker(lambda: run_case(model, mesh, args.time_limit, args.steps),
+                                 {"model": model, "mesh": mesh}, args.result)
 
     if args.rerender:
         data = json.loads(args.rerender.read_text())

@@ -16,8 +16,9 @@ import os
 import platform
 import shlex
 import sys
+import traceback
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
@@ -139,3 +140,19 @@ def replace_section(title: str, body: str, path: Path = RESULTS_MD) -> None:
 def write_json(data: Any, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
+
+
+def run_worker(work: Callable[[], dict], context: dict, result_path: Path | None) -> int:
+    """Run one benchmark case in this (sub)process and hand its result to the driver as JSON;
+    an exception becomes a recorded error, so one broken case never stops a run."""
+    try:
+        result = work()
+    except Exception as err:  # noqa: BLE001 - reported by the driver
+        result = {**context, "error": f"{type(err).__name__}: {err}",
+                  "traceback": traceback.format_exc()}
+    text = json.dumps(result, default=str)
+    if result_path:
+        result_path.write_text(text)
+    else:
+        print(text)
+    return 0

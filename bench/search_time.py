@@ -27,7 +27,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 import warnings
 from pathlib import Path
 from typing import Any
@@ -312,17 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.worker is not None:
-        try:
-            result = run_depth(args.worker, args.time_limit)
-        except Exception as err:  # noqa: BLE001 - reported by the driver
-            result = {"layers": args.worker, "error": f"{type(err).__name__}: {err}",
-                      "traceback": traceback.format_exc()}
-        text = json.dumps(result, default=str)
-        if args.result:
-            args.result.write_text(text)
-        else:
-            print(text)
-        return 0
+        return common.run_worker(lambda: run_depth(args.worker, args.time_limit),
+                                 {"layers": args.worker}, args.result)
 
     depths = sorted(int(x) for x in args.layers.split(",") if x.strip())
     import models
