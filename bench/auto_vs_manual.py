@@ -133,7 +133,6 @@ def run_case(model_name: str, mesh_name: str, time_limit: float, steps: int) -> 
     from flax import nnx
 
     import spmd
-    from spmd.analyze import analyze as analyze_compiled  # not spmd.analyze: see manual_plans
     from spmd.manual import applicable_methods, manual_specs
     from spmd.search import SearchOptions
 
@@ -178,21 +177,19 @@ def run_case(model_name: str, mesh_name: str, time_limit: float, steps: int) -> 
     if runnable:
         net, opt = spmd.materialize(create, plan)
         batch = spmd.shard_batch(plan, spmd.process_local_batch(plan, spec.batch(batch_size, 0)))
-        compiled = step.lower(net, opt, batch).compile()
+        compiled = step.compile(net, opt, batch)  # the executable the steps below run
     else:
         compiled = step.lower(*args).compile()
     out["auto_compile_s"] = time.perf_counter() - t0
     if step.plan.search and "cache" not in step.plan.search:
         out["warnings"].append("parallelize() searched again instead of loading the cached plan")
-    report = analyze_compiled(compiled)
+    report = spmd.analyze(compiled)
     out["auto_hlo"] = _report_dict(report)
     if runnable:
-        sig = step.plan.signature
         losses, times = [], []
         for _ in range(steps):
             t0 = time.perf_counter()
-            flat = compiled(*step.place(net, opt, batch))
-            metrics = sig.unflatten_outputs((net, opt, batch), flat)
+            metrics = step(net, opt, batch)
             losses.append(float(np.asarray(jax.device_get(metrics["loss"]))))
             times.append(time.perf_counter() - t0)
         out["auto_losses"], out["auto_step_s"] = losses, times
@@ -215,7 +212,7 @@ def run_case(model_name: str, mesh_name: str, time_limit: float, steps: int) -> 
             mstep = spmd.parallelize(spec.train_step, mesh=mesh, method=method)
             mcompiled = mstep.lower(*args).compile()
             entry = {"applicable": True, "splits": splits, "compile_s": time.perf_counter() - t0,
-                     **_report_dict(analyze_compiled(mcompiled))}
+                     **_report_dict(spmd.analyze(mcompiled))}
             del mcompiled, mstep
         except Exception as err:  # noqa: BLE001 - recorded, the other plans still run
             entry = {"applicable": True, "splits": splits,

@@ -92,12 +92,10 @@ def bench_one(spec, initial: "Initial", method: str, mesh, steps: int) -> dict[s
     from flax import nnx
 
     import spmd
-    from spmd.analyze import analyze as analyze_compiled
     from spmd.analyze import groups_to_mesh_axes
 
     step = spmd.parallelize(spec.train_step, mesh=mesh, method=method)
-    plan = spmd.plan(spec.train_step, initial.abstract_model, initial.abstract_opt,
-                     initial.batch, mesh=mesh, method=method)
+    plan = step.plan_for(initial.abstract_model, initial.abstract_opt, initial.batch)
     # The same initial values for every method: fresh NNX objects over host copies of the
     # state, placed into this plan's shardings by the step (spmd.materialize would build
     # them sharded directly, but compiles a sharded init per plan: 5-20 s each here).
@@ -105,19 +103,12 @@ def bench_one(spec, initial: "Initial", method: str, mesh, steps: int) -> dict[s
     net, opt = nnx.merge(initial.graphdef, jax.tree.map(np.array, initial.state))
     batch = spmd.shard_batch(plan, spmd.process_local_batch(plan, initial.batch))
     t0 = time.perf_counter()
-    compiled = step.lower(net, opt, batch).compile()
+    compiled = step.compile(net, opt, batch)  # the executable the calls below run
     compile_s = time.perf_counter() - t0
-    # Not spmd.analyze: its first call imports the submodule spmd.analyze, which then
-    # shadows the function on the package, so a second call fails ('module' not callable).
-    report = analyze_compiled(compiled)
-
-    # Run the executable just compiled (calling `step` would compile it a second time);
-    # this is what ParallelStep.__call__ does with its own jitted function.
-    sig = step.plan.signature
+    report = spmd.analyze(compiled)
 
     def run() -> float:
-        flat_out = compiled(*step.place(net, opt, batch))
-        metrics = sig.unflatten_outputs((net, opt, batch), flat_out)
+        metrics = step(net, opt, batch)
         return float(np.asarray(jax.device_get(metrics["loss"])))
 
     losses, times = [], []

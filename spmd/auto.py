@@ -672,7 +672,7 @@ def _solve(p: _Problem, memory_budget, time_limit, warm: list[int] | None = None
 def search(closed_jaxpr, inputs: Sequence[InputInfo], mesh: DeviceMesh, *,
            output_aliases: Mapping[int, int] = {}, memory_budget: float | None = None,
            time_limit: float = 30.0, warm_start: Sequence[Spec] | None = None,
-           share_layers: bool = True) -> AutoResult:
+           share_layers: bool = True, graph: Graph | None = None) -> AutoResult:
     """Search the sharding of every tensor of a traced train step.
 
     Args:
@@ -685,6 +685,7 @@ def search(closed_jaxpr, inputs: Sequence[InputInfo], mesh: DeviceMesh, *,
       time_limit: solver seconds.
       warm_start: input specs of a known-good plan; the plan it implies (intermediates
         chosen with inputs pinned) seeds the solver.
+      graph: ``build_graph(closed_jaxpr)`` when the caller already has it.
 
     Raises:
       InfeasibleError: no plan fits the memory budget.
@@ -699,7 +700,7 @@ def search(closed_jaxpr, inputs: Sequence[InputInfo], mesh: DeviceMesh, *,
     (('data',), ())
     """
     start = time.perf_counter()
-    graph = build_graph(closed_jaxpr)
+    graph = graph if graph is not None else build_graph(closed_jaxpr)
     pins = [i.pinned for i in inputs]
     p = _Problem(graph, inputs, mesh, CostModel(mesh), pins, output_aliases, share_layers)
     warm = None
@@ -761,19 +762,19 @@ def _stats(graph: Graph, p: _Problem, req: SolverRequest, res: SolverResult, sec
 
 def score(closed_jaxpr, inputs: Sequence[InputInfo], mesh: DeviceMesh,
           input_specs: Sequence[Spec], *, output_aliases: Mapping[int, int] = {},
-          time_limit: float = 10.0) -> Prediction:
+          time_limit: float = 10.0, graph: Graph | None = None) -> Prediction:
     """Score a hand-written plan with the search's own model: inputs pinned to
     ``input_specs``, intermediates chosen by the integer program (no memory budget)."""
     return score_result(closed_jaxpr, inputs, mesh, input_specs, output_aliases=output_aliases,
-                        time_limit=time_limit).prediction
+                        time_limit=time_limit, graph=graph).prediction
 
 
 def score_result(closed_jaxpr, inputs: Sequence[InputInfo], mesh: DeviceMesh,
                  input_specs: Sequence[Spec], *, output_aliases: Mapping[int, int] = {},
-                 time_limit: float = 10.0) -> AutoResult:
+                 time_limit: float = 10.0, graph: Graph | None = None) -> AutoResult:
     """Like ``score``, returning the whole AutoResult (constraints included)."""
     start = time.perf_counter()
-    graph = build_graph(closed_jaxpr)
+    graph = graph if graph is not None else build_graph(closed_jaxpr)
     pins = [tuple(tuple(a) for a in s) for s in input_specs]
     p = _Problem(graph, inputs, mesh, CostModel(mesh), pins, output_aliases, share_layers=False)
     res, req = _solve(p, None, time_limit)

@@ -85,7 +85,7 @@ def run(
     net, opt = spmd.materialize(create, plan)
     # Each process reads only its rows, as a real input pipeline would.
     local_batch = spmd.shard_batch(plan, spmd.process_local_batch(plan, batch))
-    compiled = step.lower(net, opt, local_batch).compile()
+    compiled = step.compile(net, opt, local_batch)  # the executable the steps below run
     report = spmd.analyze(compiled)
     plan.attach_measured(report)
     _say(device_mesh.describe())

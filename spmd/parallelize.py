@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence
 
 import jax
@@ -14,7 +15,7 @@ from spmd.search import SearchOptions, auto_plan, predict_manual
 from spmd.mesh import DeviceMesh
 from spmd.plan import Plan
 from spmd.sharding import Spec, replicated
-from spmd.signature import StepSignature
+from spmd.signature import StepSignature, flatten_step_args
 
 
 def _output_specs(sig: StepSignature, input_specs: Sequence[Spec]) -> list[Spec | None]:
@@ -65,10 +66,22 @@ def _check_method(method: str) -> None:
         raise PlanError(f"unknown method {method!r}; valid methods: auto, {', '.join(METHODS)}")
 
 
+@dataclasses.dataclass
+class _Prepared:
+    """What one argument structure needs per call: the plan, the jitted step, the flat input
+    shardings, and the compiled executable once ``compile`` made it."""
+
+    plan: Plan
+    jitted: Any
+    shardings: list
+    compiled: Any = None
+
+
 class ParallelStep:
     """A step compiled under a plan; planned on first use for each set of argument shapes.
 
-    Behaves like ``jax.jit``: call it, or ``.lower(*args)`` to inspect the compiled program.
+    Behaves like ``jax.jit``: call it, or ``.lower(*args)`` / ``.compile(*args)`` to inspect
+    the compiled program (the executable ``compile`` returns is the one later calls run).
     NNX graph nodes passed in are updated in place, as the user's step would have done.
     """
 
@@ -82,7 +95,7 @@ class ParallelStep:
         self.batch_argnums = batch_argnums
         self.donate = donate
         self.options = options
-        self._compiled: dict[Any, tuple[Plan, Any]] = {}
+        self._prepared: dict[Any, _Prepared] = {}
         self._last: Plan | None = None
 
     @property
@@ -92,17 +105,13 @@ class ParallelStep:
                             "spmd.plan(step_fn, *args, mesh=..., method=...)")
         return self._last
 
-    def _key(self, args: Sequence[Any]) -> Any:
-        """Plans are per argument structure and shapes, as jax.jit's cache is."""
-        nodes = tuple(a for a in args if isinstance(a, nnx.Pytree))
-        trees = tuple(a for a in args if not isinstance(a, nnx.Pytree))
-        shapes = jax.tree.map(lambda x: (tuple(jax.numpy.shape(x)), str(jax.numpy.result_type(x))),
-                              (nnx.state(nodes) if nodes else None, trees))
-        return jax.tree.structure(shapes), tuple(jax.tree.leaves(shapes))
-
-    def _prepare(self, args: Sequence[Any]) -> tuple[Plan, Any]:
-        key = self._key(args)
-        if key not in self._compiled:
+    def _prepare(self, args: Sequence[Any]) -> tuple[_Prepared, list[Any]]:
+        """The prepared step for these arguments, and their flat leaves (flattened once: the
+        same leaves key the cache, as jax.jit's cache is keyed, and feed the call)."""
+        leaves, treedef = flatten_step_args(args)
+        key = (treedef, tuple((jax.numpy.shape(x), str(jax.numpy.result_type(x)))
+                              for x in leaves))
+        if key not in self._prepared:
             p = plan(self.step_fn, *args, mesh=self.mesh, method=self.method,
                      logical_axes=self.logical_axes, batch_argnums=self.batch_argnums,
                      options=self.options)
@@ -112,39 +121,48 @@ class ParallelStep:
             fn = sig.flat_fn
             if p.constraints:
                 run = constrained(p.jaxpr, p.constraints, p._sharding_mesh())
-                fn = lambda *leaves: tuple(run(*leaves))  # noqa: E731 (jit wants a tuple)
-            jitted = jax.jit(fn, in_shardings=tuple(p.input_shardings_flat()),
+                fn = lambda *flat: tuple(run(*flat))  # noqa: E731 (jit wants a tuple)
+            shardings = p.input_shardings_flat()
+            jitted = jax.jit(fn, in_shardings=tuple(shardings),
                              out_shardings=tuple(p.output_shardings_flat()),
                              donate_argnums=donated)
-            self._compiled[key] = (p, jitted)
-        self._last = self._compiled[key][0]
-        return self._compiled[key]
+            self._prepared[key] = _Prepared(p, jitted, shardings)
+        prepared = self._prepared[key]
+        self._last = prepared.plan
+        return prepared, leaves
 
     def plan_for(self, *args: Any) -> Plan:
         """The plan for these arguments (concrete or abstract), searched once per shape set."""
-        return self._prepare(args)[0]
+        return self._prepare(args)[0].plan
 
     def lower(self, *args: Any):
-        p, jitted = self._prepare(args)
-        return jitted.lower(*p.signature.in_avals)
+        prepared, _ = self._prepare(args)
+        return prepared.jitted.lower(*prepared.plan.signature.in_avals)
+
+    def compile(self, *args: Any):
+        """Compile once and keep the executable: later calls with these shapes run it."""
+        prepared, _ = self._prepare(args)
+        if prepared.compiled is None:
+            prepared.compiled = self.lower(*args).compile()
+        return prepared.compiled
 
     def place(self, *args: Any) -> list[Any]:
         """The flat leaves of ``args`` placed in the plan's input shardings. In multi-process
         runs pass global arrays (``spmd.shard_batch`` builds them from process-local rows)."""
-        p, _ = self._prepare(args)
-        leaves = p.signature.flatten_args(args)
-        placed = []
-        for leaf, x, sharding in zip(p.leaves, leaves, p.input_shardings_flat()):
-            if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
-                placed.append(x)
-            else:
-                placed.append(jax.device_put(x, sharding))
-        return placed
+        prepared, leaves = self._prepare(args)
+        return _place(leaves, prepared.shardings)
 
     def __call__(self, *args: Any) -> Any:
-        p, jitted = self._prepare(args)
-        flat_out = jitted(*self.place(*args))
-        return p.signature.unflatten_outputs(args, flat_out)
+        prepared, leaves = self._prepare(args)
+        run = prepared.compiled or prepared.jitted
+        flat_out = run(*_place(leaves, prepared.shardings))
+        return prepared.plan.signature.unflatten_outputs(args, flat_out)
+
+
+def _place(leaves: Sequence[Any], shardings: Sequence[Any]) -> list[Any]:
+    """Leaves already in their sharding pass through; the rest are put there."""
+    return [x if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(s, x.ndim)
+            else jax.device_put(x, s) for x, s in zip(leaves, shardings)]
 
 
 def parallelize(step_fn: Callable, *, mesh: DeviceMesh, method: str = "auto",
@@ -171,10 +189,9 @@ def materialize(create_fn: Callable[[], Any], p: Plan) -> Any:
     sig = p._need_signature()
     abstract = nnx.eval_shape(create_fn)
     nodes = abstract if isinstance(abstract, tuple) else (abstract,)
-    graphdef, _ = nnx.split(nodes)
+    graphdef, abstract_state = nnx.split(nodes)
     flat_shardings = p.input_shardings_flat()[: sig.num_state_leaves]
-    state_shardings = jax.tree.unflatten(
-        jax.tree.structure(nnx.split(nodes)[1]), flat_shardings)
+    state_shardings = jax.tree.unflatten(jax.tree.structure(abstract_state), flat_shardings)
 
     def build():
         made = create_fn()

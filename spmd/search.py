@@ -14,11 +14,11 @@ import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
-import jax
 
 from spmd.auto import InputInfo, Prediction, score, search
 from spmd.errors import PlanError
-from spmd.manual import METHODS, ManualMethod, applicable_methods, leaf_spec, manual_specs
+from spmd.graph import Graph, build_graph
+from spmd.manual import ManualMethod, applicable_methods, leaf_spec, manual_specs
 from spmd.mesh import DeviceMesh
 from spmd.plan import FORMAT_VERSION, Plan
 from spmd.signature import StepSignature
@@ -102,12 +102,12 @@ def _warn_trivial_axes(mesh: DeviceMesh) -> None:
 
 
 def predict_manual(sig: StepSignature, mesh: DeviceMesh, method: str,
-                   options: SearchOptions, jaxpr=None) -> Prediction:
+                   options: SearchOptions, graph: Graph | None = None) -> Prediction:
     """The cost model's view of a hand-written plan (intermediates chosen by the ILP)."""
-    jaxpr = jaxpr if jaxpr is not None else sig.jaxpr
     specs = manual_specs(sig.leaves, method, mesh)
-    return score(jaxpr, _inputs(sig, mesh, options), mesh, specs,
-                 output_aliases=sig.output_aliases, time_limit=min(options.time_limit, 10.0))
+    return score(sig.jaxpr, _inputs(sig, mesh, options), mesh, specs,
+                 output_aliases=sig.output_aliases, time_limit=min(options.time_limit, 10.0),
+                 graph=graph)
 
 
 def auto_plan(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions) -> Plan:
@@ -127,6 +127,7 @@ def auto_plan(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions) -> P
             cached.leaves, cached.signature, cached.jaxpr = sig.leaves, sig, jaxpr
             cached.search = {**(cached.search or {}), "cache": f"loaded {path}"}
             return cached
+    graph = build_graph(jaxpr)  # one op graph for every scoring and the search
     alternatives: dict[str, Any] = {}
     best: tuple[float, str] | None = None
     if options.compare and mesh.size > 1:
@@ -135,7 +136,7 @@ def auto_plan(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions) -> P
                 alternatives[name] = f"does not apply: {why_not}"
                 continue
             try:
-                pred = predict_manual(sig, mesh, name, options, jaxpr)
+                pred = predict_manual(sig, mesh, name, options, graph)
             except PlanError as err:  # the cost model cannot express this hand-written plan
                 alternatives[name] = f"not scored: {err}"
                 continue
@@ -145,7 +146,7 @@ def auto_plan(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions) -> P
     warm = manual_specs(sig.leaves, best[1], mesh) if best else None
     result = search(jaxpr, inputs, mesh, output_aliases=sig.output_aliases,
                     memory_budget=options.memory_budget, time_limit=options.time_limit,
-                    warm_start=warm)
+                    warm_start=warm, graph=graph)
     solver = result.solver
     if solver is not None and solver.timed_out:
         warnings.warn(f"the sharding search reached its time limit ({options.time_limit:g} s); "

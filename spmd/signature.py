@@ -70,6 +70,14 @@ def _aval(x: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x))
 
 
+def flatten_step_args(args: Sequence[Any]) -> tuple[list[Any], Any]:
+    """The flat leaves and structure of a step's arguments: the NNX graph nodes' state first
+    (one ``nnx.State`` over all of them), then the plain pytrees, in argument order."""
+    nodes = tuple(a for a in args if _is_node(a))
+    trees = tuple(a for a in args if not _is_node(a))
+    return jax.tree.flatten((nnx.state(nodes) if nodes else None, trees))
+
+
 def _is_logical_leaf(x: Any) -> bool:
     return x is None or isinstance(x, (tuple, PartitionSpec))
 
@@ -122,8 +130,7 @@ class StepSignature:
 
     def flatten_args(self, args: Sequence[Any]) -> list[Any]:
         """The flat leaves of concrete arguments with the same structure as the example."""
-        state = nnx.state(tuple(args[i] for i in self.node_positions)) if self.graphdef else None
-        leaves, treedef = jax.tree.flatten((state, tuple(args[i] for i in self.tree_positions)))
+        leaves, treedef = flatten_step_args(args)
         if treedef != self.in_treedef:
             raise PlanError("the arguments' structure differs from the one the step was planned for")
         return leaves
