@@ -260,7 +260,8 @@ def test_local_search_moves_tied_chains_and_repairs_a_warm_start():
     """Three nodes that must agree (``inf`` off the diagonal): switching one or two of them is
     forbidden, so greedy and pairwise moves stay at cost 3; the spanning-tree dynamic program
     moves the chain at once to the optimum 2. A forbidden warm start is repaired the same way."""
-    from spmd.solver import _local_search, _reduce
+    from spmd.local_search import _local_search
+    from spmd.solver_request import _reduce
 
     tie = [[0.0, INF], [INF, 0.0]]
     req = request([[0.0, 1.0], [0.0, 1.0], [3.0, 0.0]], edges=[(0, 1), (1, 2)],

@@ -1,0 +1,321 @@
+"""The CP-SAT model of a solver request: integer costs, the model, and running it.
+
+Kept apart from ``spmd.solver``, which drives it: ``rescale`` turns seconds into integers,
+``_build`` makes the model (hinted, under the memory budget, or minimizing peak memory),
+``_run`` solves it under the presolve and early-stop limits below.
+
+Formulation: one boolean x[v,s] per strategy of each representative node, exactly one true.
+Nodes with ``same_as`` reuse their representative's booleans (their costs add to its). Edges
+whose one end has a single strategy fold into the other end's costs; all-zero matrices are
+dropped; parallel edges merge. A remaining edge (u, v) costs R[i][j] when x[u,i] and x[v,j].
+Strategies whose rows (columns) of R are identical, i.e. that produce (want) the same spec,
+share one class literal, so a 30 x 30 matrix is usually a handful of classes. Small class
+matrices (<= ``MARGINAL_LIMIT`` entries) get edge booleans e[i,j] whose rows sum to the
+u-class and columns to the v-class literals (the tight "local polytope" relaxation); larger
+ones an integer c >= sum_j R[i][j] * y[v,j] enforced by y[u,i] (k_u constraints, no k_u * k_v
+booleans). ``inf`` means forbidden: the strategy or the pair is excluded, never scaled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Sequence
+
+import numpy as np
+
+from spmd.solver_request import SolverRequest, _Problem
+
+__all__ = ["Scaled", "FORBIDDEN", "rescale"]
+
+# Largest finite cost maps to this many integer units (see ``rescale``).
+COST_UNITS = 1e6
+# Per-liveness-set memory is scaled so the budget maps to this many units.
+MEMORY_UNITS = 1e9
+# Edge matrices (after merging identical rows/columns) up to this many entries get edge
+# booleans; bigger ones enforced rows.
+MARGINAL_LIMIT = 16
+NUM_WORKERS = 2
+# Models with more variables than this skip CP-SAT's presolve (see ``_run``).
+PRESOLVE_LIMIT = 20_000
+# ... and above this many, run a single presolve iteration (see ``_run``).
+LIGHT_PRESOLVE_LIMIT = 5_000
+# CP-SAT stops early when no better plan came for max(STALL_MIN_SECONDS, STALL_FRACTION x
+# time limit): on 2 cores its bound stays loose, so waiting out the limit rarely pays (the
+# plan is then reported "feasible", not timed out; the bound says how far it may be off).
+STALL_MIN_SECONDS = 1.5
+STALL_FRACTION = 0.05
+# Only plans at least this much (relative) better than the last such one restart the stall
+# clock: on large models CP-SAT keeps finding plans better by a fraction of a percent, and
+# waiting for each of them ran the search to its limit (20 s on a 24-layer GPT, for < 1%).
+STALL_GAIN = 0.005
+
+
+@dataclasses.dataclass
+class Scaled:
+    """Integer costs for CP-SAT and the map back: seconds = units / scale + offset.
+
+    Arrays hold non-negative integers, ``FORBIDDEN`` (-1) where the cost was ``inf``.
+    """
+
+    scale: float
+    offset: float
+    unary: list[np.ndarray]
+    pairs: dict[tuple[int, int], np.ndarray]
+
+
+FORBIDDEN = -1
+
+
+def rescale(unary: Sequence[Sequence[float]],
+            pairs: dict[tuple[int, int], Sequence[Sequence[float]]] | None = None,
+            units: float = COST_UNITS) -> Scaled:
+    """Turn float seconds into non-negative integers CP-SAT handles well.
+
+    Each group's costs are shifted by their finite minimum (the shifts add up to ``offset``,
+    the same for every assignment), edge matrices likewise. Then the largest finite cost maps
+    to ``units`` (1e6): a term is off by at most 0.5 / scale, i.e. 5e-7 of the largest cost,
+    so the solver's optimum is within (number of terms) x 0.5 units of the true one; the
+    reported objective is always recomputed in float seconds. A positive cost that would
+    round to 0 becomes 1 unit, so tiny costs still break ties (over-weighting each by at most
+    1 unit). ``inf`` becomes ``FORBIDDEN`` (never scaled).
+
+    >>> s = rescale([[1.0, 3.0], [2.0, float("inf")]])
+    >>> [u.tolist() for u in s.unary], s.offset, s.scale
+    ([[0, 1000000], [0, -1]], 3.0, 500000.0)
+    """
+    pairs = pairs or {}
+    arrays = [np.asarray(c, dtype=float) for c in unary]
+    keys = list(pairs)
+    arrays += [np.asarray(pairs[k], dtype=float) for k in keys]
+    offset, shifted = 0.0, []
+    largest = 0.0
+    for arr in arrays:
+        finite = np.isfinite(arr)
+        low = float(arr[finite].min()) if finite.any() else 0.0
+        offset += low
+        arr = np.where(finite, arr - low, np.inf)
+        shifted.append(arr)
+        if finite.any():
+            largest = max(largest, float(arr[finite].max()))
+    scale = units / largest if largest > 0 else 1.0
+    out = []
+    for arr in shifted:
+        finite = np.isfinite(arr)
+        val = np.where(finite, arr, 0.0) * scale
+        ints = np.rint(val).astype(np.int64)
+        ints[(ints == 0) & (val > 0)] = 1
+        ints[~finite] = FORBIDDEN
+        out.append(ints)
+    n = len(unary)
+    return Scaled(scale, offset, out[:n], dict(zip(keys, out[n:])))
+
+
+@dataclasses.dataclass
+class _Built:
+    model: object
+    x: list[list[object]]  # per group, one literal per strategy
+    group_of: list[int]
+    num_variables: int
+    num_constraints: int
+
+    def read(self, solver) -> list[int]:
+        picks = [next(i for i, lit in enumerate(lits) if solver.BooleanValue(lit))
+                 for lits in self.x]
+        return [picks[g] for g in self.group_of]
+
+
+def _build(r: SolverRequest, prob: _Problem, scaled: Scaled, *, with_memory: bool,
+           objective: bool, minimize_memory: bool = False,
+           hint: Sequence[int] | None = None) -> _Built:
+    from ortools.sat.python import cp_model
+
+    weighted = cp_model.LinearExpr.weighted_sum
+    model = cp_model.CpModel()
+    obj_vars: list[object] = []
+    obj_coefs: list[int] = []
+    x: list[list[object]] = []
+    for gi, costs in enumerate(scaled.unary):
+        lits = [model.NewBoolVar("") for _ in range(len(costs))]
+        if len(lits) == 1:
+            model.Add(lits[0] == 1)
+        else:
+            model.AddExactlyOne(lits)
+        for s, c in enumerate(costs.tolist()):
+            if c == FORBIDDEN:
+                model.Add(lits[s] == 0)
+            elif c and objective:
+                obj_vars.append(lits[s])
+                obj_coefs.append(c)
+        x.append(lits)
+    classes: dict[tuple[int, tuple[int, ...]], object] = {}
+    # The hint must cover every variable, or CP-SAT cannot start from it.
+    pick = None if hint is None else [hint[g] for g in prob.groups]
+    if pick is not None:
+        for gi, lits in enumerate(x):
+            for s, lit in enumerate(lits):
+                model.AddHint(lit, s == pick[gi])
+
+    def class_literal(g: int, members: tuple[int, ...]):
+        """One literal that is true when group g picks any of ``members`` (shared by edges)."""
+        if len(members) == 1:
+            return x[g][members[0]]
+        key = (g, members)
+        if key not in classes:
+            lit = model.NewBoolVar("")
+            model.Add(sum(x[g][s] for s in members) == lit)
+            if pick is not None:
+                model.AddHint(lit, pick[g] in members)
+            classes[key] = lit
+        return classes[key]
+
+    for (gu, gv), mat in scaled.pairs.items():
+        xu, xv = x[gu], x[gv]
+        for i, j in zip(*np.nonzero(mat == FORBIDDEN)):
+            model.AddBoolOr([xu[i].Not(), xv[j].Not()])
+        if not objective or not (mat > 0).any():
+            continue
+        # Strategies with identical rows (columns) reshard alike: one literal per class.
+        rows_u, inv_u = np.unique(mat, axis=0, return_inverse=True)
+        small, inv_v = np.unique(rows_u, axis=1, return_inverse=True)
+        inv_u, inv_v = inv_u.reshape(-1), inv_v.reshape(-1)
+        cu = [class_literal(gu, tuple(np.nonzero(inv_u == c)[0].tolist()))
+              for c in range(small.shape[0])]
+        cv = [class_literal(gv, tuple(np.nonzero(inv_v == c)[0].tolist()))
+              for c in range(small.shape[1])]
+        rows = small.tolist()
+        ku, kv = small.shape
+        hu = hv = -1
+        if pick is not None:
+            hu, hv = int(inv_u[pick[gu]]), int(inv_v[pick[gv]])
+        if ku * kv <= MARGINAL_LIMIT:
+            e = [[None if rows[i][j] == FORBIDDEN else model.NewBoolVar("") for j in range(kv)]
+                 for i in range(ku)]
+            for i in range(ku):
+                model.Add(sum(v for v in e[i] if v is not None) == cu[i])
+            for j in range(kv):
+                model.Add(sum(e[i][j] for i in range(ku) if e[i][j] is not None) == cv[j])
+            if pick is not None:
+                for i in range(ku):
+                    for j in range(kv):
+                        if e[i][j] is not None:
+                            model.AddHint(e[i][j], i == hu and j == hv)
+            for i in range(ku):
+                for j in range(kv):
+                    if rows[i][j] > 0:
+                        obj_vars.append(e[i][j])
+                        obj_coefs.append(rows[i][j])
+        else:
+            cost = model.NewIntVar(0, int(small.max()), "")
+            for i in range(ku):
+                js = [j for j in range(kv) if rows[i][j] > 0]
+                if js:
+                    model.Add(weighted([cv[j] for j in js], [rows[i][j] for j in js]) <= cost
+                              ).OnlyEnforceIf(cu[i])
+            obj_vars.append(cost)
+            obj_coefs.append(1)
+            if pick is not None:
+                model.AddHint(cost, max(rows[hu][hv], 0))
+    if with_memory and r.liveness:
+        mem_terms = _memory_terms(r, prob, x)
+        if minimize_memory:
+            top = sum(sum(c for _, c in t) for t in mem_terms) + 1
+            peak = model.NewIntVar(0, top, "peak")
+            for t in mem_terms:
+                if t:
+                    model.Add(weighted([v for v, _ in t], [c for _, c in t]) <= peak)
+            obj_vars, obj_coefs = [peak], [1]
+        elif r.memory_budget is not None:
+            budget = math.floor(r.memory_budget / _memory_unit(r))
+            for t in mem_terms:
+                if t:
+                    model.Add(weighted([v for v, _ in t], [c for _, c in t]) <= budget)
+    if obj_vars:
+        model.Minimize(weighted(obj_vars, obj_coefs))
+    proto = model.Proto()
+    return _Built(model, x, prob.group_of, len(proto.variables), len(proto.constraints))
+
+
+def _memory_unit(r: SolverRequest) -> float:
+    """Bytes per integer unit: the budget (or the largest set) maps to ~MEMORY_UNITS units."""
+    ref = r.memory_budget or max((sum(max(r.node_memory[v]) for v in set(live))
+                                  for live in r.liveness), default=1.0)
+    return max(ref / MEMORY_UNITS, 1e-12)
+
+
+def _memory_terms(r: SolverRequest, prob: _Problem, x) -> list[list[tuple[object, int]]]:
+    """Per liveness set, (literal, units) terms; memory rounds up so a fit is a real fit."""
+    unit = _memory_unit(r)
+    out = []
+    for live in r.liveness:
+        coef: dict[tuple[int, int], int] = {}
+        for v in set(live):
+            g = prob.group_of[v]
+            for s, m in enumerate(r.node_memory[v]):
+                if m:
+                    coef[(g, s)] = coef.get((g, s), 0) + math.ceil(m / unit)
+        out.append([(x[g][s], c) for (g, s), c in coef.items()])
+    return out
+
+
+def _stall_seconds(time_limit: float) -> float:
+    """How long CP-SAT may go without a better plan before the search stops early."""
+    return max(STALL_MIN_SECONDS, STALL_FRACTION * time_limit)
+
+
+def _run(model, time_limit: float, stall: float | None = None, offset: float = 0.0):
+    """Solve; with ``stall``, stop once no solution better by ``STALL_GAIN`` (relative to
+    the objective plus ``offset``, in the model's units) came for ``stall`` seconds.
+
+    Returns (status, solver, stalled): ``stalled`` is True when the search was stopped early
+    that way (the plan is then the best found, not proven optimal)."""
+    import threading
+
+    from ortools.sat.python import cp_model
+
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = NUM_WORKERS
+    solver.parameters.max_time_in_seconds = float(time_limit)
+    size = len(model.Proto().variables)
+    if size > LIGHT_PRESOLVE_LIMIT:
+        # One presolve round: the (hinted) first plan comes in ~0.6 s instead of ~2 s on a
+        # 7,000-variable model, which is most of the search's time once the hint is good.
+        solver.parameters.max_presolve_iterations = 1
+    if size > PRESOLVE_LIMIT:
+        # On 2 cores CP-SAT's presolve of a large model alone outlasts a time limit of
+        # seconds; without it the search starts at once from the (complete) hint.
+        solver.parameters.cp_model_presolve = False
+    if stall is None or stall >= time_limit:
+        return solver.Solve(model), solver, False
+
+    last = [time.perf_counter()]
+    mark = [math.inf]  # objective (plus offset) of the last plan that restarted the clock
+    stopped = threading.Event()
+    done = threading.Event()
+
+    class _Improved(cp_model.CpSolverSolutionCallback):
+        def on_solution_callback(self) -> None:
+            value = self.ObjectiveValue() + offset
+            if not math.isfinite(mark[0]) or value < mark[0] - STALL_GAIN * abs(mark[0]):
+                mark[0] = value
+                last[0] = time.perf_counter()
+
+    def watch() -> None:
+        while not done.wait(0.05):
+            # Loading a large model takes a while before the first (hinted) plan: allow
+            # twice the window for it.
+            wait = stall if math.isfinite(mark[0]) else 2 * stall
+            if time.perf_counter() - last[0] > wait:
+                stopped.set()
+                solver.stop_search()
+                return
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        status = solver.Solve(model, _Improved())
+    finally:
+        done.set()
+        watcher.join()
+    return status, solver, stopped.is_set()

@@ -1,0 +1,252 @@
+"""The solver's flat input and output, and the checks and scores that need no solver.
+
+``SolverRequest`` / ``SolverResult`` are what the planner and the solver exchange;
+``validate``, ``evaluate`` and ``memory_peak`` check and score any assignment (e.g. a
+hand-written plan) with the same numbers the solver uses; ``_reduce`` folds a request into
+the per-group problem that both the local search and the CP-SAT model work on. Kept apart
+from ``spmd.solver`` so those two can use it without importing each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Sequence
+
+import numpy as np
+
+from spmd.errors import PlanError
+
+__all__ = ["SolverRequest", "SolverResult", "validate", "evaluate", "memory_peak"]
+
+
+@dataclasses.dataclass
+class SolverRequest:
+    """Everything the integer program needs, flat and serialisable.
+
+    Attributes:
+        node_names: one readable name per node.
+        strategy_names: per node, readable strategy names, e.g.
+            ``"SR = SS x SR @ {model} (all-reduce @ model)"``.
+        node_costs: seconds per (node, strategy): compute plus its own communication;
+            ``inf`` forbids the strategy.
+        edges: (u, v) pairs: v consumes u's output.
+        edge_costs: per edge, R[s_u][s_v] seconds of resharding; ``inf`` forbids the pair.
+        same_as: per node, -1 or a node with the same number of strategies whose choice it
+            shares (repeated layers).
+        node_memory: bytes per device per (node, strategy) of the value the node produces.
+        liveness: sets of node ids live together at some program point.
+        memory_budget: bytes per device every liveness set must fit in, or None.
+        warm_start: a strategy index per node used as the solver's hint, or None.
+        time_limit: seconds the solver may take.
+    """
+
+    node_names: list[str]
+    strategy_names: list[list[str]]
+    node_costs: list[list[float]]
+    edges: list[tuple[int, int]]
+    edge_costs: list[list[list[float]]]
+    same_as: list[int]
+    node_memory: list[list[float]]
+    liveness: list[list[int]]
+    memory_budget: float | None = None
+    warm_start: list[int] | None = None
+    time_limit: float = 30.0
+
+    def to_json(self) -> str:
+        """Serialise (``inf`` as the string "inf") so a request can be saved and replayed."""
+        return json.dumps(_encode(dataclasses.asdict(self)))
+
+    @classmethod
+    def from_json(cls, text: str) -> "SolverRequest":
+        raw = _decode(json.loads(text))
+        raw["edges"] = [tuple(e) for e in raw["edges"]]
+        return cls(**raw)
+
+
+@dataclasses.dataclass
+class SolverResult:
+    """The chosen strategy per node and how good it is.
+
+    ``objective`` is the exact float cost of ``choice`` (seconds, via ``evaluate``);
+    ``bound`` the solver's best lower bound in seconds (accurate to the rescaling precision).
+    """
+
+    choice: list[int]
+    objective: float
+    bound: float
+    status: str  # "optimal" | "feasible"
+    solve_time: float
+    num_variables: int
+    num_constraints: int
+    timed_out: bool
+    #: CP-SAT stopped early, no better plan having come for a while
+    #: (see ``spmd.cpsat.STALL_FRACTION``)
+    stalled: bool = False
+
+
+def _encode(x):
+    if isinstance(x, np.ndarray):
+        x = x.tolist()
+    if isinstance(x, float) and math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    if isinstance(x, (list, tuple)):
+        return [_encode(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _encode(v) for k, v in x.items()}
+    return x
+
+
+def _decode(x):
+    if x in ("inf", "-inf"):
+        return float(x)
+    if isinstance(x, list):
+        return [_decode(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _decode(v) for k, v in x.items()}
+    return x
+
+
+# -- validate, evaluate ------------------------------------------------------------------
+
+
+def validate(request: SolverRequest) -> None:
+    """Check that every list agrees in length and every index is in range.
+
+    Raises:
+        PlanError: naming the node, edge or liveness set at fault.
+    """
+    r = request
+    n = len(r.node_names)
+    name = lambda v: f"node {v} ({r.node_names[v]!r})"  # noqa: E731
+    for field in ("strategy_names", "node_costs", "same_as", "node_memory"):
+        if len(getattr(r, field)) != n:
+            raise PlanError(f"solver request: {field} has {len(getattr(r, field))} entries "
+                            f"for {n} nodes")
+    for v in range(n):
+        k = len(r.strategy_names[v])
+        if k == 0:
+            raise PlanError(f"solver request: {name(v)} has no strategies")
+        for field in ("node_costs", "node_memory"):
+            if len(getattr(r, field)[v]) != k:
+                raise PlanError(f"solver request: {name(v)} has {k} strategies but "
+                                f"{len(getattr(r, field)[v])} {field}")
+        if any(math.isnan(c) for c in r.node_costs[v]):
+            raise PlanError(f"solver request: {name(v)} has a NaN cost")
+        if any(not math.isfinite(m) or m < 0 for m in r.node_memory[v]):
+            raise PlanError(f"solver request: {name(v)} has a negative or non-finite memory")
+        rep = r.same_as[v]
+        if rep != -1:
+            if not 0 <= rep < n or rep == v:
+                raise PlanError(f"solver request: {name(v)} same_as {rep} is not another node")
+            if len(r.strategy_names[rep]) != k:
+                raise PlanError(f"solver request: {name(v)} has {k} strategies but its "
+                                f"same_as {name(rep)} has {len(r.strategy_names[rep])}")
+    _representatives(r)  # detects cycles
+    if len(r.edge_costs) != len(r.edges):
+        raise PlanError(f"solver request: {len(r.edges)} edges but {len(r.edge_costs)} edge_costs")
+    for e, (u, v) in enumerate(r.edges):
+        if not (0 <= u < n and 0 <= v < n) or u == v:
+            raise PlanError(f"solver request: edge {e} ({u}, {v}) does not join two nodes of {n}")
+        mat = r.edge_costs[e]
+        ku, kv = len(r.strategy_names[u]), len(r.strategy_names[v])
+        shape = mat.shape if isinstance(mat, np.ndarray) else None
+        if (shape != (ku, kv) if shape is not None
+                else len(mat) != ku or any(len(row) != kv for row in mat)):
+            raise PlanError(f"solver request: edge {e} {name(u)} -> {name(v)} needs a "
+                            f"{ku} x {kv} cost matrix")
+        if np.isnan(np.asarray(mat, dtype=float)).any():
+            raise PlanError(f"solver request: edge {e} {name(u)} -> {name(v)} has a NaN cost")
+    for i, live in enumerate(r.liveness):
+        bad = [v for v in live if not 0 <= v < n]
+        if bad:
+            raise PlanError(f"solver request: liveness set {i} names unknown nodes {bad}")
+    if r.memory_budget is not None and not r.memory_budget > 0:
+        raise PlanError(f"solver request: memory_budget must be positive, got {r.memory_budget}")
+    if r.warm_start is not None:
+        _check_choice(r, r.warm_start, "warm_start")
+    if not r.time_limit > 0:
+        raise PlanError(f"solver request: time_limit must be positive, got {r.time_limit}")
+
+
+def _check_choice(r: SolverRequest, choice: Sequence[int], what: str) -> None:
+    if len(choice) != len(r.node_names):
+        raise PlanError(f"{what}: {len(choice)} entries for {len(r.node_names)} nodes")
+    for v, s in enumerate(choice):
+        if not 0 <= s < len(r.strategy_names[v]):
+            raise PlanError(f"{what}: node {v} ({r.node_names[v]!r}) has no strategy {s}")
+
+
+def _representatives(r: SolverRequest) -> list[int]:
+    """Follow same_as links to the node that owns each choice."""
+    rep = []
+    for v in range(len(r.node_names)):
+        seen, u = {v}, v
+        while r.same_as[u] != -1:
+            u = r.same_as[u]
+            if u in seen:
+                raise PlanError(f"solver request: same_as links of node {v} "
+                                f"({r.node_names[v]!r}) form a cycle")
+            seen.add(u)
+        rep.append(u)
+    return rep
+
+
+def evaluate(request: SolverRequest, choice: Sequence[int]) -> float:
+    """Objective (seconds) of an assignment: Σ node costs + Σ edge costs; ``inf`` if forbidden.
+
+    It does not enforce same_as or memory; see ``memory_peak``.
+    """
+    _check_choice(request, choice, "evaluate")
+    total = sum(request.node_costs[v][s] for v, s in enumerate(choice))
+    total += sum(request.edge_costs[e][choice[u]][choice[v]]
+                 for e, (u, v) in enumerate(request.edges))
+    return float(total)
+
+
+def memory_peak(request: SolverRequest, choice: Sequence[int]) -> float:
+    """Largest bytes per device over the liveness sets under ``choice`` (0 without sets)."""
+    _check_choice(request, choice, "memory_peak")
+    return max((sum(request.node_memory[v][choice[v]] for v in set(live))
+                for live in request.liveness), default=0.0)
+
+
+# -- the reduced problem -------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Problem:
+    """Costs per representative group, edges between groups, after folding and merging."""
+
+    groups: list[int]  # representative node ids
+    group_of: list[int]  # node -> index into groups
+    unary: list[np.ndarray]  # per group, seconds per strategy (inf: forbidden)
+    pairs: dict[tuple[int, int], np.ndarray]  # (gu, gv), gu < gv -> matrix (inf: forbidden)
+
+
+def _reduce(r: SolverRequest) -> _Problem:
+    rep = _representatives(r)
+    groups = sorted(set(rep))
+    index = {g: i for i, g in enumerate(groups)}
+    group_of = [index[rep[v]] for v in range(len(rep))]
+    unary = [np.zeros(len(r.strategy_names[g])) for g in groups]
+    for v, costs in enumerate(r.node_costs):
+        unary[group_of[v]] += np.asarray(costs, dtype=float)
+    pairs: dict[tuple[int, int], np.ndarray] = {}
+    for e, (u, v) in enumerate(r.edges):
+        mat = np.asarray(r.edge_costs[e], dtype=float)
+        gu, gv = group_of[u], group_of[v]
+        if not np.any(mat):
+            continue
+        if gu == gv:  # both ends share one choice: only the diagonal can happen
+            unary[gu] += np.diag(mat)
+        elif len(unary[gu]) == 1:
+            unary[gv] += mat[0, :]
+        elif len(unary[gv]) == 1:
+            unary[gu] += mat[:, 0]
+        else:
+            if gu > gv:
+                gu, gv, mat = gv, gu, mat.T
+            pairs[(gu, gv)] = pairs[(gu, gv)] + mat if (gu, gv) in pairs else mat.copy()
+    return _Problem(groups, group_of, unary, pairs)
