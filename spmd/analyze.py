@@ -15,9 +15,11 @@ Counting rules:
   sugar for async-wrapped ops) counts, ``-update``/``-done`` never do. A generic
   ``async-start(...), calls=%wrapped`` is not counted itself; the collective inside the
   printed ``%wrapped`` computation is (so each op counts exactly once).
-* Counts are **static**: a collective inside a while-loop body counts once, however many
-  times the loop runs. ``CollectiveOp.in_while`` and ``CollectiveOp.computation`` tell a
-  caller which ops sit in loops.
+* Counts are **per execution**: a collective inside a while-loop body (a scan over layers)
+  counts as often as the loop runs when XLA knows the trip count (``CollectiveOp.runs``);
+  ``Report.static_collectives`` counts each printed instruction once.
+  ``CollectiveOp.in_while`` and ``CollectiveOp.computation`` tell a caller which ops sit in
+  loops.
 
 Bytes per device (``B`` in DESIGN.md's cost model): the bytes one device holds *before* the
 op (its operands) for all-reduce, reduce-scatter, all-to-all and collective-permute, and
@@ -103,17 +105,27 @@ class Report:
 
     @property
     def collectives(self) -> dict[str, tuple[int, int]]:
-        """``kind -> (count, bytes per device)``; the five ``COLLECTIVE_KINDS`` always present."""
+        """``kind -> (count, bytes per device)`` per execution (loops' runs included); the
+        five ``COLLECTIVE_KINDS`` always present."""
+        return self._summary(per_run=True)
+
+    @property
+    def static_collectives(self) -> dict[str, tuple[int, int]]:
+        """Like ``collectives``, each printed instruction counted once."""
+        return self._summary(per_run=False)
+
+    def _summary(self, per_run: bool) -> dict[str, tuple[int, int]]:
         out = {kind: (0, 0) for kind in COLLECTIVE_KINDS}
         for op in self.ops:
             count, nbytes = out.get(op.kind, (0, 0))
-            out[op.kind] = (count + 1, nbytes + op.bytes)
+            runs = op.runs if per_run else 1
+            out[op.kind] = (count + runs, nbytes + runs * op.bytes)
         return out
 
     @property
     def total_collective_bytes(self) -> int:
-        """Sum of ``bytes`` over every collective op (static count, see module docstring)."""
-        return sum(op.bytes for op in self.ops)
+        """Bytes over every collective per execution (see module docstring)."""
+        return sum(op.runs * op.bytes for op in self.ops)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict of the whole report."""

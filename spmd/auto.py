@@ -31,6 +31,9 @@ Keeping the program small (every reduction documented in ``AutoResult.stats``):
   and, if the input is pinned, its spec among their candidates, so e.g. ZeRO (replicated
   parameter, sharded state) is expressible.
 * strategies and costs are computed once per distinct op (repeated layers repeat them).
+* **scans** are planned once for their body (``spmd.graph``): a body node's compute and
+  collectives, and every reshard on an edge into it, count ``Node.repeat`` times; a loop's
+  carry pseudo-ops share one variable, so every iteration sees the same spec.
 
 Memory: every value is live from its producer to its last consumer (program order = jaxpr
 order); inputs live throughout unless an output aliases them (donated: they die at their
@@ -130,6 +133,9 @@ class AutoResult:
     stats: dict
     fallbacks: list[str]
     constraints: dict[str, Spec]
+    #: the strategy chosen for every graph node (not saved): lets a scored plan seed a
+    #: search over the same graph without solving it again
+    node_strategies: list[_rules.Strategy] | None = dataclasses.field(default=None, repr=False)
 
     def to_dict(self) -> dict:
         return {
@@ -219,7 +225,7 @@ class _Problem:
                 if key is not None:
                     memo[key] = (ss, costs, self.stats["small"] - before)
             self.strats.append(ss)
-            self.own_cost.append(costs)
+            self.own_cost.append(costs * n.repeat if n.repeat != 1 else costs)
         self._merge_followers()
         self._tie_layers(share_layers)
 
@@ -360,6 +366,11 @@ class _Problem:
                                             and tok[va.node] == tok[vb.node] and union(va.node, vb.node)):
                                         tied += 1
                             break
+        # A loop-carried value has one spec in every iteration: its carry pseudo-ops share a
+        # variable (or, when their candidates differ, get a hard edge in ``request``).
+        self.untied_loops = [(a, b) for a, b in self.g.loops
+                             if find(self.root[a]) != find(self.root[b])
+                             and not union(self.root[a], self.root[b])]
         self.same_as = [-1] * len(self.roots)
         for r in self.roots:
             rep = find(r)
@@ -431,21 +442,25 @@ class _Problem:
                 shape, dtype = g.value_shape(v), g.value_dtype(v)
                 src = self._spec_list(v.node, v.index, True)
                 dst = self._spec_list(n.id, i, False)
+                # A reshard inside a loop body happens on every iteration.
                 if ru == rv:
                     if src != dst:
-                        costs[self.index[rv]] += [self._reshard_time(shape, dtype, a, b)
+                        costs[self.index[rv]] += [n.repeat * self._reshard_time(shape, dtype, a, b)
                                                   for a, b in zip(src, dst)]
                     continue
-                add_edge(self.index[ru], self.index[rv], self._matrix(shape, dtype, src, dst))
-        for out_i, in_j in self.aliases.items():
-            v, inp = g.outputs[out_i], g.inputs[in_j]
-            if v is None or v.node == inp:
+                mat = self._matrix(shape, dtype, src, dst)
+                add_edge(self.index[ru], self.index[rv], mat * n.repeat if n.repeat != 1 else mat)
+        # Equal specs, as hard edges: an output aliasing its input; a loop's carry pair that
+        # could not share one variable (``_tie_layers``).
+        equal = [(g.outputs[o], Value(g.inputs[i], 0)) for o, i in self.aliases.items()]
+        equal += [(Value(b, 0), Value(a, 0)) for a, b in self.untied_loops]
+        for v, w in equal:
+            if v is None or self.root[v.node] == self.root[w.node]:
                 continue
-            ru = self.root[v.node]
             src = self._spec_list(v.node, v.index, True)
-            dst = [s.out_specs[0] for s in self.strats[inp]]
+            dst = self._spec_list(w.node, w.index, True)
             mat = np.array([[0.0 if a == b else math.inf for b in dst] for a in src])
-            add_edge(self.index[ru], self.index[inp], mat)
+            add_edge(self.index[self.root[v.node]], self.index[self.root[w.node]], mat)
         memory, liveness = self._memory()
         edge_list = sorted(edges)
         return SolverRequest(
@@ -606,8 +621,8 @@ def _predict(p: _Problem, root_choice: list[int]) -> tuple[Prediction, dict[str,
             continue
         if s.fallback:
             fallbacks[n.op.primitive] += 1
-        compute += cost.compute(s.flops, _dtype(n.op)) if s.flops else 0.0
-        (combined if n.id in p.off_path else colls).extend(s.collectives)
+        compute += n.repeat * cost.compute(s.flops, _dtype(n.op)) if s.flops else 0.0
+        (combined if n.id in p.off_path else colls).extend(s.collectives * n.repeat)
         for k, spec in enumerate(s.out_specs):
             if _nbytes(n.op.out_shapes[k], n.op.out_dtypes[k]) >= max(p.small_bytes, 1):
                 constraints[value_key(n.path, k)] = spec
@@ -619,7 +634,7 @@ def _predict(p: _Problem, root_choice: list[int]) -> tuple[Prediction, dict[str,
                 continue
             resharded.add((v, dst))
             t, cs = p._reshard(g.value_shape(v), g.value_dtype(v), src, dst)
-            colls.extend(cs)
+            colls.extend(tuple(cs) * n.repeat)
             if cs and g.value_bytes(v) >= max(p.small_bytes, 1):
                 constraints[operand_key(n.path, i)] = dst
     summary = {k: [0, 0.0] for k in COLLECTIVE_KINDS}
@@ -657,7 +672,8 @@ def _result(p: _Problem, res: SolverResult, stats: dict) -> AutoResult:
     for v, lit in zip(g.outputs, g.output_literals):
         outs.append(p.out_spec(v, root_choice[v.node]) if v is not None
                     else replicated(np.ndim(lit)))
-    return AutoResult(ins, outs, pred, res, stats, fallbacks, constraints)
+    chosen = [p.strategy_of(n.id, root_choice[n.id]) for n in g.nodes]
+    return AutoResult(ins, outs, pred, res, stats, fallbacks, constraints, chosen)
 
 
 # ------------------------------------------------------------------------------ entry points
@@ -671,7 +687,7 @@ def _solve(p: _Problem, memory_budget, time_limit, warm: list[int] | None = None
 
 def search(closed_jaxpr, inputs: Sequence[InputInfo], mesh: DeviceMesh, *,
            output_aliases: Mapping[int, int] = {}, memory_budget: float | None = None,
-           time_limit: float = 30.0, warm_start: Sequence[Spec] | None = None,
+           time_limit: float = 30.0, warm_start: Sequence[Spec] | AutoResult | None = None,
            share_layers: bool = True, graph: Graph | None = None) -> AutoResult:
     """Search the sharding of every tensor of a traced train step.
 
@@ -683,8 +699,9 @@ def search(closed_jaxpr, inputs: Sequence[InputInfo], mesh: DeviceMesh, *,
         an input (parameters, optimizer state): their specs are made equal.
       memory_budget: bytes per device (default: the device's memory).
       time_limit: solver seconds.
-      warm_start: input specs of a known-good plan; the plan it implies (intermediates
-        chosen with inputs pinned) seeds the solver.
+      warm_start: a known-good plan that seeds the solver: its input specs (the plan they
+        imply, intermediates chosen with inputs pinned, is solved first), or a ``score_result``
+        over the same ``graph`` (reused as it is).
       graph: ``build_graph(closed_jaxpr)`` when the caller already has it.
 
     Raises:
@@ -704,12 +721,16 @@ def search(closed_jaxpr, inputs: Sequence[InputInfo], mesh: DeviceMesh, *,
     pins = [i.pinned for i in inputs]
     p = _Problem(graph, inputs, mesh, CostModel(mesh), pins, output_aliases, share_layers)
     warm = None
-    if warm_start is not None and all(s is not None for s in warm_start):
-        try:
-            warm = _warm_choice(p, closed_jaxpr, graph, inputs, mesh, warm_start, output_aliases,
-                                memory_budget, time_limit)
-        except Exception:  # a hint only: an infeasible or unmappable hand plan is skipped
-            warm = None
+    try:
+        if isinstance(warm_start, AutoResult) and warm_start.node_strategies is not None:
+            warm = _warm_choice(p, warm_start.node_strategies)
+        elif warm_start is not None and all(s is not None for s in warm_start):
+            scored = score_result(closed_jaxpr, inputs, mesh, warm_start,
+                                  output_aliases=output_aliases,
+                                  time_limit=min(time_limit, 10.0), graph=graph)
+            warm = _warm_choice(p, scored.node_strategies)
+    except Exception:  # a hint only: an infeasible or unmappable hand plan is skipped
+        warm = None
     budget = mesh.device.memory_bytes if memory_budget is None else memory_budget
     res, req = _solve(p, float(budget), time_limit, warm)
     stats = _stats(graph, p, req, res, time.perf_counter() - start)
@@ -717,16 +738,11 @@ def search(closed_jaxpr, inputs: Sequence[InputInfo], mesh: DeviceMesh, *,
     return _result(p, res, stats)
 
 
-def _warm_choice(p: _Problem, closed_jaxpr, graph, inputs, mesh, specs, aliases, budget,
-                 time_limit) -> list[int] | None:
-    pins = [i.pinned if i.pinned is not None else tuple(tuple(a) for a in s)
-            for i, s in zip(inputs, specs)]
-    q = _Problem(graph, inputs, mesh, p.cost, pins, aliases, share_layers=False)
-    res, _ = _solve(q, None, min(time_limit, 10.0))
-    chosen = q.node_choice(res.choice)
+def _warm_choice(p: _Problem, chosen: Sequence[_rules.Strategy]) -> list[int]:
+    """The solver's choice (per root of ``p``) closest to a plan given per graph node."""
     warm = []
     for r in p.roots:
-        s = q.strategy_of(r, chosen[r])
+        s = chosen[r]
         names = p._names(r)
         if s.name in names:
             warm.append(names.index(s.name))

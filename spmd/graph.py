@@ -2,15 +2,25 @@
 
 Nested jaxprs that only group code (``jit``/``pjit``, ``custom_jvp_call``,
 ``custom_vjp_call``, ``remat``/``checkpoint``, ``closed_call``/``core_call``) are inlined,
-so a layer's matmul is one node whatever wrapped it. Loops and branches (``scan``,
-``while``, ``cond``) stay one node each; the rules give them a replicated fallback.
+so a layer's matmul is one node whatever wrapped it.
+
+A ``scan`` (a loop over stacked layers, ``nnx.scan``/``lax.scan``) is planned once for its
+body: the body's ops become nodes that run ``repeat`` times per step (the trip count, times
+that of any enclosing scan), so one choice serves every iteration and the stacked dim stays
+whole. Four pseudo-ops carry values across the loop's boundary, each one node per value
+(rules in ``spmd.rules.loop``): ``scan_carry`` (the carry as the body reads it, fed by the
+initial value; path ``(..., i, "carry", k)``), ``scan_slice`` (one iteration's slice of a
+stacked input, ``"xs"``), ``scan_carry_out`` (the carry as the body leaves it and the loop
+returns it, ``"carry_out"``; ``Graph.loops`` pairs it with its ``scan_carry``, which must
+hold the same spec) and ``scan_stack`` (a per-iteration output stacked, ``"ys"``). Other
+loops and branches (``while``, ``cond``) stay one node each, with a replicated fallback.
 
 Every graph input (a flattened argument of the step) and every constant is a node too, of
 kind ``"input"`` or ``"const"``; literals (Python scalars baked into an equation) are not
 nodes and have no edges. A node's *path* names its equation: ``(17,)`` is equation 17 of the
-top jaxpr, ``(17, 3)`` equation 3 of the jaxpr nested in equation 17. ``walk`` visits the
-equations in the same order and with the same paths, so the interpreter in ``spmd.apply``
-and the graph agree on names.
+top jaxpr, ``(17, 3)`` equation 3 of the jaxpr nested in equation 17 (inlined or a scan's
+body). ``eval_jaxpr_with`` evaluates the equations with the same paths, so the interpreter
+in ``spmd.apply`` and the graph agree on names.
 
 >>> import jax, jax.numpy as jnp
 >>> g = build_graph(jax.make_jaxpr(lambda w, x: jnp.tanh(x @ w))(jnp.ones((4, 2)), jnp.ones((3, 4))))
@@ -24,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from jax.extend import core as jcore
@@ -46,7 +56,10 @@ INLINE_PARAMS: dict[str, tuple[str, ...]] = {
     "checkpoint": ("jaxpr",),
 }
 
-Path = tuple[int, ...]
+#: A loop planned once for its body (see the module docstring).
+SCAN = "scan"
+
+Path = tuple[int | str, ...]
 
 
 def inner_jaxpr(eqn) -> tuple[Any, Sequence[Any]] | None:
@@ -83,6 +96,7 @@ class Node:
       consumers: ids of nodes reading any output of this node (each once, in order).
       path: equation path (see module docstring); ``()`` for inputs and constants.
       name: the equation's name stack, e.g. ``jvp(Block_0)/transpose(jvp())``, or "".
+      repeat: how often the node runs per step (the trip counts of the scans around it).
     """
 
     id: int
@@ -93,6 +107,7 @@ class Node:
     path: Path
     name: str = ""
     input_index: int = -1
+    repeat: int = 1
 
     @property
     def key(self) -> str:
@@ -120,6 +135,8 @@ class Graph:
     inputs: list[int]                  # node id of each top-level invar
     outputs: list[Value | None]        # the Value of each top-level outvar (None: literal)
     output_literals: list[Any]
+    #: (scan_carry node, scan_carry_out node) per loop-carried value: one spec for both
+    loops: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def num_edges(self) -> int:
@@ -158,23 +175,16 @@ def _aval(var) -> tuple[tuple[int, ...], Any]:
     return shape, dtype
 
 
-def walk(jaxpr, path: Path = ()) -> Iterator[tuple[Path, Any]]:
-    """Every non-inlined equation with its path, inlined ones recursed into, in program order."""
-    for i, eqn in enumerate(jaxpr.eqns):
-        inner = inner_jaxpr(eqn)
-        if inner is None:
-            yield path + (i,), eqn
-        else:
-            yield from walk(inner[0], path + (i,))
-
-
 def build_graph(closed_jaxpr) -> Graph:
     """Flatten a ClosedJaxpr (the whole train step) into a Graph; see the module docstring."""
     nodes: list[Node] = []
     env: dict[Any, Value] = {}
 
-    def add(kind: str, op: Op, operands, path: Path, name: str = "", input_index: int = -1) -> Node:
-        node = Node(len(nodes), kind, op, tuple(operands), [], path, name, input_index)
+    loops: list[tuple[int, int]] = []
+
+    def add(kind: str, op: Op, operands, path: Path, name: str = "", input_index: int = -1,
+            repeat: int = 1) -> Node:
+        node = Node(len(nodes), kind, op, tuple(operands), [], path, name, input_index, repeat)
         nodes.append(node)
         for v in operands:
             if v is not None and (not nodes[v.node].consumers or nodes[v.node].consumers[-1] != node.id):
@@ -191,7 +201,34 @@ def build_graph(closed_jaxpr) -> Graph:
             return None
         return env[atom]
 
-    def run(jaxpr, consts: Sequence[Any], args: Sequence[Value | None], path: Path) -> list[Value | None]:
+    def boundary(primitive: str, operand: Value | None, var, path: Path, repeat: int,
+                 stacked_in: int = 0, stacked_out: int = 0) -> Value:
+        """A pseudo-op moving one value across a scan's boundary (see module docstring)."""
+        shape, dtype = _aval(var)
+        op = Op(primitive, {}, ((stacked_in,) * bool(stacked_in) + shape,), (dtype,),
+                ((stacked_out,) * bool(stacked_out) + shape,), (dtype,))
+        return Value(add("op", op, (operand,), path, repeat=repeat).id, 0)
+
+    def scan(eqn, operands: list[Value | None], path: Path, repeat: int) -> list[Value | None]:
+        body, length = eqn.params["jaxpr"], int(eqn.params["length"])
+        nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
+        invars, outvars = body.jaxpr.invars, body.jaxpr.outvars
+        inner = repeat * length
+        carried = [boundary("scan_carry", v, var, path + ("carry", k), repeat)
+                   for k, (v, var) in enumerate(zip(operands[nc:nc + nk], invars[nc:nc + nk]))]
+        sliced = [boundary("scan_slice", v, var, path + ("xs", k), repeat, stacked_in=length)
+                  for k, (v, var) in enumerate(zip(operands[nc + nk:], invars[nc + nk:]))]
+        outs = run(body.jaxpr, body.consts, [*operands[:nc], *carried, *sliced], path, inner)
+        results = []
+        for k, (v, var) in enumerate(zip(outs[:nk], outvars[:nk])):
+            results.append(boundary("scan_carry_out", v, var, path + ("carry_out", k), inner))
+            loops.append((carried[k].node, results[-1].node))
+        results += [boundary("scan_stack", v, var, path + ("ys", k), inner, stacked_out=length)
+                    for k, (v, var) in enumerate(zip(outs[nk:], outvars[nk:]))]
+        return results
+
+    def run(jaxpr, consts: Sequence[Any], args: Sequence[Value | None], path: Path,
+            repeat: int = 1) -> list[Value | None]:
         for var, c in zip(jaxpr.constvars, consts):
             leaf(var, "const")
         for var, a in zip(jaxpr.invars, args):
@@ -202,8 +239,9 @@ def build_graph(closed_jaxpr) -> Graph:
         for i, eqn in enumerate(jaxpr.eqns):
             operands = [read(a) for a in eqn.invars]
             inner = inner_jaxpr(eqn)
-            if inner is not None:
-                outs = run(inner[0], inner[1], operands, path + (i,))
+            if inner is not None or eqn.primitive.name == SCAN:
+                outs = (run(inner[0], inner[1], operands, path + (i,), repeat) if inner is not None
+                        else scan(eqn, operands, path + (i,), repeat))
                 for var, v in zip(eqn.outvars, outs):
                     if v is None:
                         leaf(var, "const")
@@ -211,7 +249,7 @@ def build_graph(closed_jaxpr) -> Graph:
                         env[var] = v
                 continue
             op = Op.from_eqn(eqn)
-            node = add("op", op, operands, path + (i,), _name_stack(eqn))
+            node = add("op", op, operands, path + (i,), _name_stack(eqn), repeat=repeat)
             for k, var in enumerate(eqn.outvars):
                 env[var] = Value(node.id, k)
         return [read(a) for a in jaxpr.outvars]
@@ -225,7 +263,7 @@ def build_graph(closed_jaxpr) -> Graph:
         inputs.append(env[var].node)
     outs = run(jaxpr, (), [env[v] for v in jaxpr.invars], ())
     literals = [a.val if isinstance(a, jcore.Literal) else None for a in jaxpr.outvars]
-    return Graph(nodes, inputs, outs, literals)
+    return Graph(nodes, inputs, outs, literals, loops)
 
 
 def _name_stack(eqn) -> str:
@@ -242,7 +280,9 @@ def eval_jaxpr_with(jaxpr, consts: Sequence[Any], args: Sequence[Any],
     """Evaluate a jaxpr, inlining what ``build_graph`` inlines.
 
     ``operand_hook(path, args)`` may replace an equation's operands before it runs and
-    ``hook(path, eqn, outs)`` its outputs after (the interpreter of ``spmd.apply``).
+    ``hook(path, eqn, outs)`` its outputs after (the interpreter of ``spmd.apply``). A scan
+    runs as ``lax.scan`` over its body, evaluated the same way; its boundary pseudo-ops
+    (module docstring) get both hooks too, with ``eqn=None``.
     """
     import jax
 
@@ -263,6 +303,8 @@ def eval_jaxpr_with(jaxpr, consts: Sequence[Any], args: Sequence[Any],
             if eqn.primitive.name in ("remat", "remat2", "checkpoint"):
                 invals = _remat_barrier(eqn, invals, jax)
             outs = eval_jaxpr_with(inner[0], inner[1], invals, hook, operand_hook, here)
+        elif eqn.primitive.name == SCAN:
+            outs = _eval_scan(eqn, invals, hook, operand_hook, here)
         else:
             if operand_hook is not None:
                 invals = operand_hook(here, invals)
@@ -272,6 +314,36 @@ def eval_jaxpr_with(jaxpr, consts: Sequence[Any], args: Sequence[Any],
         for var, val in zip(eqn.outvars, outs):
             env[var] = val
     return [read(a) for a in jaxpr.outvars]
+
+
+def _eval_scan(eqn, invals: list[Any], hook, operand_hook, path: Path) -> list[Any]:
+    """One scan equation as ``lax.scan``, its body through ``eval_jaxpr_with``."""
+    import jax
+
+    params = eqn.params
+    body, nc, nk = params["jaxpr"], params["num_consts"], params["num_carry"]
+
+    def into(kind: str, k: int, x):  # a boundary pseudo-op's operand
+        return operand_hook(path + (kind, k), [x])[0] if operand_hook is not None else x
+
+    def out(kind: str, k: int, x):  # and its output
+        return hook(path + (kind, k), None, [x])[0]
+
+    def step(carry, xs):
+        carry = [out("carry", k, c) for k, c in enumerate(carry)]
+        xs = [out("xs", k, x) for k, x in enumerate(xs)]
+        outs = eval_jaxpr_with(body.jaxpr, body.consts, [*invals[:nc], *carry, *xs], hook,
+                               operand_hook, path)
+        outs = [jax.numpy.asarray(o, var.aval.dtype) if isinstance(var, jcore.Literal) else o
+                for o, var in zip(outs, body.jaxpr.outvars)]
+        new = [out("carry_out", k, into("carry_out", k, c)) for k, c in enumerate(outs[:nk])]
+        return new, [into("ys", k, y) for k, y in enumerate(outs[nk:])]
+
+    init = [out("carry", k, into("carry", k, c)) for k, c in enumerate(invals[nc:nc + nk])]
+    xs = [into("xs", k, x) for k, x in enumerate(invals[nc + nk:])]
+    carry, ys = jax.lax.scan(step, init, xs, length=params["length"], reverse=params["reverse"],
+                             unroll=params["unroll"])
+    return [*carry, *(out("ys", k, y) for k, y in enumerate(ys))]
 
 
 def _remat_barrier(eqn, invals: list[Any], jax) -> list[Any]:

@@ -58,7 +58,10 @@ class CollectiveOp:
       computation: name of the HLO computation whose body holds the instruction.
       opcode: the printed opcode, e.g. ``all-gather-start``.
       in_while: the computation is (transitively) called from a while loop body or
-        condition, so the op runs once per iteration but is counted once.
+        condition, so the op runs once per iteration.
+      runs: how often the op runs per execution: the product of the known trip counts
+        (``backend_config`` ``known_trip_count``, which XLA sets for scans) of the loops
+        around it; a loop without a known count counts once.
       source_target_pairs: for collective-permute, the ``(source, target)`` pairs.
     """
 
@@ -70,6 +73,7 @@ class CollectiveOp:
     computation: str
     opcode: str = ""
     in_while: bool = False
+    runs: int = 1
     source_target_pairs: list[tuple[int, int]] | None = None
 
 
@@ -441,23 +445,43 @@ _CALL_ATTRS = re.compile(
 )
 
 
-def _loop_computations(instrs: list[_Instr]) -> set[str]:
-    """Computations that run inside a while loop (bodies, conditions and all they call)."""
-    calls: dict[str, set[str]] = {}
+_TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
+
+
+def _loop_runs(instrs: list[_Instr]) -> tuple[set[str], dict[str, int]]:
+    """Computations inside a while loop (bodies, conditions, all they call), and how often
+    each computation runs per execution (1 unless loops with known trip counts enclose it)."""
+    calls: dict[str, list[tuple[str, int]]] = {}
     roots: set[str] = set()
+    called: set[str] = set()
     for instr in instrs:
+        trips = 1
+        if instr.opcode == "while":
+            m = _TRIP_COUNT.search(instr.attrs)
+            trips = int(m.group(1)) if m else 1
         for attr, target in _CALL_ATTRS.findall(instr.attrs):
             names = {t.strip().lstrip("%") for t in target.strip("{}").split(",") if t.strip()}
-            calls.setdefault(instr.computation, set()).update(names)
-            if instr.opcode == "while" and attr in ("body", "condition"):
+            in_loop = instr.opcode == "while" and attr in ("body", "condition")
+            calls.setdefault(instr.computation, []).extend(
+                (n, trips if attr == "body" and in_loop else 1) for n in names)
+            called |= names
+            if in_loop:
                 roots |= names
-    seen, todo = set(), list(roots)
+    looped, todo = set(), list(roots)
     while todo:
         comp = todo.pop()
-        if comp not in seen:
-            seen.add(comp)
-            todo.extend(calls.get(comp, ()))
-    return seen
+        if comp not in looped:
+            looped.add(comp)
+            todo.extend(n for n, _ in calls.get(comp, ()))
+    runs: dict[str, int] = {}
+    todo2 = [(c, 1) for c in calls if c not in called]
+    while todo2:
+        comp, n = todo2.pop()
+        if runs.get(comp, 0) >= n:
+            continue
+        runs[comp] = n
+        todo2.extend((callee, n * k) for callee, k in calls.get(comp, ()))
+    return looped, runs
 
 
 def _source_target_pairs(attrs: str) -> list[tuple[int, int]] | None:
@@ -472,7 +496,7 @@ def collective_ops(text: str) -> list[CollectiveOp]:
     instrs = _parse_module(text)
     shapes = {(i.computation, i.name): i.shape for i in instrs}
     by_name = {i.name: i.shape for i in instrs}
-    looped = _loop_computations(instrs)
+    looped, runs = _loop_runs(instrs)
     ops = []
     for instr in instrs:
         kind = _kind_of(instr.opcode)
@@ -489,6 +513,7 @@ def collective_ops(text: str) -> list[CollectiveOp]:
                 computation=instr.computation,
                 opcode=instr.opcode,
                 in_while=instr.computation in looped,
+                runs=runs.get(instr.computation, 1),
                 source_target_pairs=_source_target_pairs(instr.attrs),
             )
         )

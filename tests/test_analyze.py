@@ -144,7 +144,7 @@ def test_ppermute_moves_the_whole_shard(mesh):
     )
 
 
-def test_collective_in_scan_is_counted_once_and_marked(mesh):
+def test_collective_in_scan_counts_per_iteration_and_is_marked(mesh):
     w = _put(mesh, jnp.ones((16, 16)))
     x = _put(mesh, jnp.ones((8, 16)), "data")
 
@@ -155,7 +155,9 @@ def test_collective_in_scan_is_counted_once_and_marked(mesh):
     report = analyze(_compile(jax.grad(loss), w, x))
     looped = [op for op in report.ops if op.in_while]
     assert len(looped) == 1 and looped[0].kind == "all-reduce"
-    assert looped[0].bytes == 16 * 16 * F32
+    assert looped[0].bytes == 16 * 16 * F32 and looped[0].runs == 3  # the scan's length
+    static, per_run = report.static_collectives["all-reduce"], report.collectives["all-reduce"]
+    assert per_run == (static[0] + 2, static[1] + 2 * 16 * 16 * F32)
     assert "while loops" in report.describe()
 
 

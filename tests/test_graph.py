@@ -1,4 +1,5 @@
-"""jaxpr -> op graph: inlining of nested jaxprs, node counts, the apply interpreter's walk."""
+"""jaxpr -> op graph: inlining of nested jaxprs, scans planned once, node counts, and the
+apply interpreter visiting the same equations under the same paths."""
 
 import jax
 import jax.numpy as jnp
@@ -6,11 +7,23 @@ import numpy as np
 import optax
 import pytest
 
-from spmd.graph import build_graph, eval_jaxpr_with, walk
+from spmd.graph import build_graph, eval_jaxpr_with
 
 
 def _prims(graph):
     return [n.op.primitive for n in graph.nodes if n.kind == "op"]
+
+
+def _interpreted_paths(cj, *args):
+    """Paths the interpreter's output hook sees, each once, in first-seen order."""
+    seen = []
+
+    def hook(path, eqn, outs):
+        seen.append(path)
+        return outs
+
+    jax.make_jaxpr(lambda *a: eval_jaxpr_with(cj.jaxpr, cj.consts, a, hook))(*jax.tree.leaves(args))
+    return list(dict.fromkeys(seen))
 
 
 def test_plain_function_counts():
@@ -40,7 +53,8 @@ def test_inlines_jit_custom_jvp_custom_vjp_and_checkpoint():
         h = jax.checkpoint(lambda h: jnp.tanh(h) * 2)(h)  # remat
         return jnp.sum(inner(jax.nn.gelu(h)))     # jit
 
-    cj = jax.make_jaxpr(jax.grad(loss))(jnp.ones((4, 4)), jnp.ones((2, 4)))
+    args = jnp.ones((4, 4)), jnp.ones((2, 4))
+    cj = jax.make_jaxpr(jax.grad(loss))(*args)
     top = {e.primitive.name for e in cj.jaxpr.eqns}
     assert {"custom_vjp_call", "custom_jvp_call", "jit"} & top  # the test covers nesting
     g = build_graph(cj)
@@ -48,10 +62,10 @@ def test_inlines_jit_custom_jvp_custom_vjp_and_checkpoint():
     for nested in ("jit", "pjit", "custom_jvp_call", "custom_vjp_call", "remat2", "checkpoint"):
         assert nested not in prims
     assert {"dot_general", "tanh", "sin", "max"} <= prims
-    # Nested equations get nested paths; the walk and the graph agree on them.
+    # Nested equations get nested paths; the interpreter and the graph agree on them.
     paths = [n.path for n in g.nodes if n.kind == "op"]
     assert any(len(p) > 1 for p in paths)
-    assert paths == [p for p, _ in walk(cj.jaxpr)]
+    assert paths == _interpreted_paths(cj, *args)
 
 
 def test_interpreter_matches_jaxpr_and_keeps_remat():
@@ -71,7 +85,7 @@ def test_interpreter_matches_jaxpr_and_keeps_remat():
     want = jax.value_and_grad(loss)(w, x)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
     np.testing.assert_allclose(got[1], want[1], rtol=1e-6)
-    assert seen == [p for p, _ in walk(cj.jaxpr)]
+    assert seen == [n.path for n in build_graph(cj).nodes if n.kind == "op"]
     # The differentiated checkpoint keeps its optimization barrier.
     text = jax.jit(lambda w, x: eval_jaxpr_with(cj.jaxpr, cj.consts, [w, x],
                                                 lambda p, e, o: o)).lower(w, x).as_text()
@@ -94,9 +108,22 @@ def test_adamw_step_and_scan():
         u, st = tx.update(g, st, p)
         return optax.apply_updates(p, u), st, l
 
-    cj = jax.make_jaxpr(step)(p, st, jnp.ones((2, 4)))
+    args = p, st, jnp.ones((2, 4))
+    cj = jax.make_jaxpr(step)(*args)
     g = build_graph(cj)
-    assert "scan" in _prims(g)  # kept as one node
+    # The forward and the backward scan are planned once for their bodies: no loop node,
+    # body ops repeated 3 times, one carry pair per loop-carried value.
+    prims = _prims(g)
+    assert "scan" not in prims and prims.count("scan_carry") == len(g.loops) >= 2
+    body = [n for n in g.nodes if n.kind == "op" and n.op.primitive == "dot_general"]
+    assert body and all(n.repeat == 3 and len(n.path) == 2 for n in body)
+    for a, b in g.loops:
+        assert g.nodes[a].op.out_shapes == g.nodes[b].op.out_shapes
+        assert (g.nodes[a].path[-2], g.nodes[b].path[-2]) == ("carry", "carry_out")
+    stacked = [n for n in g.nodes if n.op.primitive == "scan_stack"]
+    assert stacked and all(n.op.out_shapes[0][0] == 3 for n in stacked)
+    op_paths = [n.path for n in g.nodes if n.kind == "op"]
+    assert sorted(map(str, op_paths)) == sorted(map(str, _interpreted_paths(cj, *args)))
     assert len(g.inputs) == len(jax.tree.leaves((p, st))) + 1
     assert all(v is not None for v in g.outputs)
     sizes = g.size()

@@ -3,8 +3,10 @@
 One module per primitive family fills :data:`REGISTRY` on import: ``dot_general``,
 ``elementwise``, ``broadcast`` (broadcast_in_dim, reshape, squeeze, transpose), ``reduce``,
 ``indexing`` (gather, scatter-add, slices, pad, concatenate, sort, ...), ``conv`` and
-``window`` (pooling). Ops with nested jaxprs (pjit, custom_jvp_call, scan, ...) have no rule:
-the graph builder inlines them, and :func:`strategies` answers a replicated fallback.
+``window`` (pooling), ``loop`` (a scan's boundary pseudo-ops). Ops with nested jaxprs
+(pjit, custom_jvp_call, ...) have no rule: the graph builder inlines them (a scan's body is
+planned once), and :func:`strategies` answers a replicated fallback for the rest (while,
+cond).
 
 >>> import jax, jax.numpy as jnp
 >>> from spmd.rules import Op, RuleContext, strategies
@@ -32,7 +34,7 @@ from spmd.rules._core import (
     strategies as strategies,
 )
 from spmd.rules import (  # noqa: F401  (imported for their registrations)
-    broadcast, conv, dot_general, elementwise, indexing, reduce, window,
+    broadcast, conv, dot_general, elementwise, indexing, loop, reduce, window,
 )
 
 __all__ = [
