@@ -11,7 +11,7 @@ from flax import nnx
 from spmd.apply import constrained
 from spmd.errors import PlanError
 from spmd.manual import METHODS, manual_specs
-from spmd.search import SearchOptions, auto_plan, predict_manual
+from spmd.search import SearchOptions, auto_plan, score_manual
 from spmd.mesh import DeviceMesh
 from spmd.plan import Plan
 from spmd.sharding import Spec, replicated
@@ -57,7 +57,7 @@ def plan(step_fn: Callable, *example_args: Any, mesh: DeviceMesh, method: str = 
     result = Plan(method=method, mesh=mesh, leaves=sig.leaves, input_specs=input_specs,
                   output_specs=_output_specs(sig, input_specs), signature=sig)
     if options is not None and options.compare:  # scoring costs a solve: only when asked
-        result.prediction = predict_manual(sig, mesh, method, options).to_dict()
+        result.prediction = score_manual(sig, mesh, method, options).prediction.to_dict()
     return result
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 
-from spmd.auto import InputInfo, Prediction, score, search
+from spmd.auto import AutoResult, InputInfo, score_result, search
 from spmd.errors import PlanError
 from spmd.graph import Graph, build_graph
 from spmd.manual import ManualMethod, applicable_methods, leaf_spec, manual_specs
@@ -101,13 +101,13 @@ def _warn_trivial_axes(mesh: DeviceMesh) -> None:
                       f"anything; it is ignored", stacklevel=3)
 
 
-def predict_manual(sig: StepSignature, mesh: DeviceMesh, method: str,
-                   options: SearchOptions, graph: Graph | None = None) -> Prediction:
+def score_manual(sig: StepSignature, mesh: DeviceMesh, method: str,
+                 options: SearchOptions, graph: Graph | None = None) -> AutoResult:
     """The cost model's view of a hand-written plan (intermediates chosen by the ILP)."""
     specs = manual_specs(sig.leaves, method, mesh)
-    return score(sig.jaxpr, _inputs(sig, mesh, options), mesh, specs,
-                 output_aliases=sig.output_aliases, time_limit=min(options.time_limit, 10.0),
-                 graph=graph)
+    return score_result(sig.jaxpr, _inputs(sig, mesh, options), mesh, specs,
+                        output_aliases=sig.output_aliases,
+                        time_limit=min(options.time_limit, 10.0), graph=graph)
 
 
 def auto_plan(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions) -> Plan:
@@ -129,24 +129,31 @@ def auto_plan(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions) -> P
             return cached
     graph = build_graph(jaxpr)  # one op graph for every scoring and the search
     alternatives: dict[str, Any] = {}
-    best: tuple[float, str] | None = None
+    best: tuple[str, AutoResult] | None = None
     if options.compare and mesh.size > 1:
         for name, why_not in applicable_methods(sig.leaves, mesh).items():
             if why_not:
                 alternatives[name] = f"does not apply: {why_not}"
                 continue
             try:
-                pred = predict_manual(sig, mesh, name, options, graph)
+                scored = score_manual(sig, mesh, name, options, graph)
             except PlanError as err:  # the cost model cannot express this hand-written plan
                 alternatives[name] = f"not scored: {err}"
                 continue
-            alternatives[name] = pred.to_dict()
-            if best is None or pred.total_time < best[0]:
-                best = (pred.total_time, name)
-    warm = manual_specs(sig.leaves, best[1], mesh) if best else None
+            alternatives[name] = scored.prediction.to_dict()
+            if best is None or scored.prediction.total_time < best[1].prediction.total_time:
+                best = (name, scored)
     result = search(jaxpr, inputs, mesh, output_aliases=sig.output_aliases,
                     memory_budget=options.memory_budget, time_limit=options.time_limit,
-                    warm_start=warm, graph=graph)
+                    warm_start=best[1] if best else None, graph=graph)
+    budget = mesh.device.memory_bytes if options.memory_budget is None else options.memory_budget
+    kept_manual = (best is not None
+                   and best[1].prediction.total_time < result.prediction.total_time
+                   and best[1].prediction.memory_bytes <= budget)
+    if kept_manual:
+        # The search ties repeated layers and prunes small tensors' strategies, so it can
+        # miss a hand-written plan outside that space by a hair; never return a slower plan.
+        result = dataclasses.replace(best[1], solver=result.solver, stats=result.stats)
     solver = result.solver
     if solver is not None and solver.timed_out:
         warnings.warn(f"the sharding search reached its time limit ({options.time_limit:g} s); "
@@ -159,7 +166,8 @@ def auto_plan(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions) -> P
         stats.update(objective=solver.objective, bound=solver.bound, status=solver.status,
                      timed_out=solver.timed_out, stalled=solver.stalled)
     stats["fallbacks"] = result.fallbacks
-    stats["warm_start_from"] = best[1] if best else None
+    stats["warm_start_from"] = best[0] if best else None
+    stats["kept_hand_written"] = best[0] if kept_manual else None
     planned = Plan(method="auto", mesh=mesh, leaves=sig.leaves, input_specs=result.input_specs,
                    output_specs=list(result.output_specs), prediction=result.prediction.to_dict(),
                    search=stats, constraints=dict(result.constraints), alternatives=alternatives,

@@ -41,7 +41,7 @@ def test_zero_plan_is_scored():
     one choice)."""
     import models
     from flax import nnx
-    from spmd.search import SearchOptions, predict_manual
+    from spmd.search import SearchOptions, score_manual
     from spmd.signature import StepSignature
 
     spec = models.get("mlp-tiny")
@@ -52,8 +52,8 @@ def test_zero_plan_is_scored():
 
     am, ao = nnx.eval_shape(create)
     sig = StepSignature(spec.train_step, (am, ao, spec.batch(spec.default_batch_size, 0)))
-    pred = predict_manual(sig, spmd.load_mesh("meshes/cpu-8.yaml"), "zero",
-                          SearchOptions(time_limit=2.0))
+    pred = score_manual(sig, spmd.load_mesh("meshes/cpu-8.yaml"), "zero",
+                        SearchOptions(time_limit=2.0)).prediction
     assert pred.total_time > 0 and pred.collectives["all-gather"][0] > 0
 
 
