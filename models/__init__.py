@@ -25,6 +25,8 @@ state made by `spec.optimizer` carries the same names as its param):
     conv_in   a conv kernel's input channels, the classifier's input features
     conv_out  a conv kernel's output channels, BatchNorm scale/bias/statistics
     classes   the classifier's output
+    layers    the stacked layer dim of a scanned GPT (`gpt.Config.scan_layers`); no
+              hand-written plan (`spmd.manual`) has a rule for it, so they leave it unsplit
 
 Per parameter kind:
 
@@ -43,8 +45,12 @@ Per parameter kind:
     WRN BatchNorm scale/bias/mean/var  (conv_out,)
     WRN classifier kernel / bias (conv_in, classes) / (classes,)
 
-The logical name `layers` is not used: every model unrolls its layers (a Python loop over
-an `nnx.List`), so no param has a stacked layer dim.
+Every model unrolls its layers by default (a Python loop over an `nnx.List`), so no param
+has a layer dim. `with_config(scan_layers=True)` on a GPT instead builds its blocks as one
+stack under `nnx.vmap` and runs them with `nnx.scan` (the traced step holds one block
+body, not one copy per layer): each block param gains a leading `layers` dim and keeps
+its other names, e.g. the q kernel is (layers, embed, heads, kv), and so do its Adam
+moments. The param count is the same either way.
 """
 
 from __future__ import annotations

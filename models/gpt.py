@@ -2,9 +2,11 @@
 
 Pre-LayerNorm blocks, learned position embeddings, causal self-attention with separate
 q/k/v projections shaped (embed, heads, kv), a GELU MLP, a final LayerNorm and output
-logits tied to the token embedding. Layers are unrolled in a Python loop so each one is
-its own stretch of the traced program, which is what the planner's layer clustering and
-pipeline stages cut along.
+logits tied to the token embedding. By default layers are unrolled in a Python loop so
+each one is its own stretch of the traced program, which is what the planner's layer
+clustering and pipeline stages cut along. With `Config.scan_layers` the blocks are one
+stacked module (every param gains a leading dim named `layers`) run by `nnx.scan`, so
+the traced program holds one layer's body whatever the depth.
 
 Batch: {"inputs": int32 (batch, seq), "targets": int32 (batch, seq)}; loss is the mean
 next-token cross-entropy.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -32,12 +35,15 @@ class Config:
     vocab_size: int = 256  # 51200 for the real sizes: GPT-2's 50257 padded to a multiple of 1024 (Megatron)
     seq_len: int = 32  # tokens per example; also the number of learned positions
     dtype: str = "float32"  # compute dtype; params stay fp32 (mixed precision)
+    scan_layers: bool = False  # stack the blocks along a `layers` dim and loop with nnx.scan
 
     def __post_init__(self):
         layers.check_positive(
             self, "num_layers", "d_model", "num_heads", "head_dim", "d_ff", "vocab_size", "seq_len"
         )
         object.__setattr__(self, "dtype", layers.canonical_dtype(self.dtype))
+        if not isinstance(self.scan_layers, bool):
+            raise ValueError(f"models.gpt.Config.scan_layers must be a bool: {self.scan_layers!r}")
 
 
 def _size(num_layers: int, d_model: int, num_heads: int) -> Config:
@@ -80,6 +86,11 @@ DEFAULT_BATCH_SIZES: dict[str, int] = {
 
 UNIT = "tokens"
 
+# Logical name of the stacked layer dim (scan_layers=True). The vmap that builds the stack
+# and the scan that runs it both name it, so each layer's body sees its params' own names.
+LAYERS = "layers"
+_LAYERS_METADATA = {nnx.PARTITION_NAME: LAYERS}
+
 
 class Block(nnx.Module):
     """Pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
@@ -121,20 +132,45 @@ class GPT(nnx.Module):
         c = config
         self.embed = layers.Embeddings(c.vocab_size, c.seq_len, c.d_model, dtype=dt, rngs=rngs)
         out_std = residual_std(c.num_layers)
-        self.blocks = nnx.List(
-            [
-                Block(c.d_model, c.num_heads, c.head_dim, c.d_ff, out_std=out_std, dtype=dt, rngs=rngs)
-                for _ in range(c.num_layers)
-            ]
-        )
+
+        def make_block(keys: layers.Keys) -> Block:
+            return Block(
+                c.d_model, c.num_heads, c.head_dim, c.d_ff, out_std=out_std, dtype=dt, rngs=keys
+            )
+
+        if c.scan_layers:
+            self.blocks = _stacked(make_block, c.num_layers, rngs)
+        else:
+            self.blocks = nnx.List([make_block(rngs) for _ in range(c.num_layers)])
         self.ln_f = layers.LayerNorm(c.d_model, rngs=rngs)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """tokens int32 (batch, seq) -> logits fp32 (batch, seq, vocab)."""
         x = self.embed.encode(tokens)  # (batch, seq, embed)
-        for block in self.blocks:
-            x = block(x)
+        if self.config.scan_layers:
+            x = _scan_blocks(self.blocks, x)
+        else:
+            for block in self.blocks:
+                x = block(x)
         return self.embed.decode(self.ln_f(x))
+
+
+def _stacked(
+    make_block: Callable[[layers.Keys], Block], num_layers: int, rngs: layers.Keys
+) -> Block:
+    """`num_layers` blocks as one Block whose params have a leading `layers` dim.
+
+    One key is drawn from `rngs` and split per layer; each layer initializes from its own
+    `Keys` under `nnx.vmap` (`nnx.split_rngs` does not apply: `Keys` is not `nnx.Rngs`).
+    """
+    stack = nnx.vmap(lambda key: make_block(layers.Keys(key)), transform_metadata=_LAYERS_METADATA)
+    return stack(jax.random.split(rngs(), num_layers))
+
+
+@nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry, transform_metadata=_LAYERS_METADATA)
+def _scan_blocks(block: Block, x: jax.Array) -> jax.Array:
+    """Apply a stacked Block layer by layer; the residual stream x is the carry."""
+    return block(x)
 
 
 def create(config: Config, seed: int = 0) -> GPT:

@@ -33,10 +33,13 @@ class Keys:
     a traced counter Variable, and under `nnx.eval_shape` every such write costs time
     linear in the program traced so far (jax looks up the tracer's origin), which made
     building gpt-13b abstractly take seconds. Never stored on a module.
+
+    `seed` may also be a typed PRNG key: a stack of layers is built under `nnx.vmap`, one
+    (traced) key per layer, since `nnx.split_rngs` only splits `nnx.Rngs`.
     """
 
-    def __init__(self, seed: int):
-        self._key = jax.random.key(seed)
+    def __init__(self, seed: int | jax.Array):
+        self._key = seed if isinstance(seed, jax.Array) else jax.random.key(seed)
         self._count = 0
 
     def __call__(self) -> jax.Array:

@@ -19,8 +19,11 @@ import models
 from models import moe
 
 TINY = [n for n in models.names() if n.endswith("-tiny")]
+# Config variants whose names and optimizer state are checked like the registered models'.
+VARIANTS = {"gpt-tiny-scan": models.get("gpt-tiny").with_config(scan_layers=True)}
 LOGICAL_NAMES = {
     "embed", "mlp", "heads", "kv", "vocab", "pos", "expert", "conv_in", "conv_out", "classes",
+    "layers",
 }  # fmt: skip
 # Nominal sizes of the GPT-3 family (Brown et al. 2020, Table 2.1).
 GPT_NOMINAL = {
@@ -34,10 +37,15 @@ GPT_NOMINAL = {
 }
 
 
+def _spec(name: str) -> models.ModelSpec:
+    """A registered model or one of `VARIANTS`."""
+    return VARIANTS[name] if name in VARIANTS else models.get(name)
+
+
 @functools.lru_cache(maxsize=None)
 def _abstract(name: str) -> nnx.Module:
-    """The abstract model of a registered name, built once per test session."""
-    return models.get(name).abstract_model()
+    """The abstract model of a registered name or variant, built once per test session."""
+    return _spec(name).abstract_model()
 
 
 def _flat(state: nnx.State) -> dict[tuple, nnx.Variable]:
@@ -125,6 +133,8 @@ def test_with_config_overrides_and_validates():
         spec.with_config(num_layer=4)
     with pytest.raises(ValueError):
         spec.with_config(num_layers=0)
+    with pytest.raises(ValueError, match="scan_layers"):
+        spec.with_config(scan_layers="yes")
     with pytest.raises(ValueError):
         models.get("wresnet-tiny").with_config(depth=11)
 
@@ -132,7 +142,7 @@ def test_with_config_overrides_and_validates():
 # --- logical names --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("name", [*TINY, *VARIANTS])
 def test_every_variable_has_logical_names(name):
     state = nnx.state(_abstract(name))
     specs = _specs(state)
@@ -144,9 +154,9 @@ def test_every_variable_has_logical_names(name):
         assert isinstance(var, (nnx.Param, nnx.BatchStat)), (path, type(var))
 
 
-@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("name", [*TINY, *VARIANTS])
 def test_optimizer_state_carries_param_names(name):
-    spec = models.get(name)
+    spec = _spec(name)
     model, opt = nnx.eval_shape(lambda: _model_and_optimizer(spec))
     param_specs = _specs(nnx.state(model, nnx.Param))
     opt_specs = _specs(nnx.state(opt))
@@ -207,7 +217,7 @@ def test_create_is_pure_and_jittable():
 
 
 def test_models_store_no_rngs():
-    for name in TINY:
+    for name in [*TINY, *VARIANTS]:
         state = nnx.state(_abstract(name))
         assert all(isinstance(v, (nnx.Param, nnx.BatchStat)) for v in _flat(state).values()), name
 
