@@ -233,8 +233,8 @@ class _Problem:
     @staticmethod
     def _op_key(n) -> tuple:
         op = n.op
-        return (op.primitive, op.in_shapes, tuple(map(str, op.in_dtypes)), op.out_shapes,
-                tuple(map(str, op.out_dtypes)), repr(sorted(op.params.items())))
+        return (op.primitive, op.in_shapes, op.in_dtypes, op.out_shapes, op.out_dtypes,
+                repr(sorted(op.params.items())))
 
     def _strategies(self, n, ctx, inputs, pins) -> list[_rules.Strategy]:
         shape, dtype = (n.op.out_shapes[0], n.op.out_dtypes[0]) if n.op.out_shapes else ((), None)
@@ -384,8 +384,7 @@ class _Problem:
         colours match between layers whose backward pass reads forward values at different
         distances; few rounds keep the first and last layer, whose neighbours differ, tied."""
         nodes = self.g.nodes
-        tok = [hash((n.kind, n.op.primitive, n.op.in_shapes, n.op.out_shapes,
-                     tuple(str(d) for d in n.op.out_dtypes),
+        tok = [hash((n.kind, n.op.primitive, n.op.in_shapes, n.op.out_shapes, n.op.out_dtypes,
                      repr(sorted((k, repr(v)[:200]) for k, v in n.op.params.items())),
                      tuple(self._names(n.id)) if n.kind == "input" else ()))
                for n in nodes]

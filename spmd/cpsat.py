@@ -44,7 +44,7 @@ LIGHT_PRESOLVE_LIMIT = 5_000
 # CP-SAT stops early when no better plan came for max(STALL_MIN_SECONDS, STALL_FRACTION x
 # time limit): on 2 cores its bound stays loose, so waiting out the limit rarely pays (the
 # plan is then reported "feasible", not timed out; the bound says how far it may be off).
-STALL_MIN_SECONDS = 1.5
+STALL_MIN_SECONDS = 1.0
 STALL_FRACTION = 0.05
 # Only plans at least this much (relative) better than the last such one restart the stall
 # clock: on large models CP-SAT keeps finding plans better by a fraction of a percent, and
