@@ -19,7 +19,11 @@ class DeviceSpec:
 
     name: str
     peak_flops_bf16: float  # dense FLOP/s
-    peak_flops_fp32: float  # FLOP/s without TF32 tricks
+    # fp32 matmul FLOP/s as JAX runs them by default: on GPUs, TF32 tensor cores (XLA's
+    # default precision; bench/gpu.py measured 91 TFLOP/s of fp32 GPT matmuls on an H200,
+    # above its 67 TFLOP/s non-tensor-core fp32 peak). Set it to the plain fp32 rate for steps
+    # run under jax_default_matmul_precision="highest".
+    peak_flops_fp32: float
     memory_bytes: int  # usable device memory
     memory_bandwidth: float  # bytes/s, HBM (or DRAM) bandwidth
 
@@ -28,19 +32,20 @@ class DeviceSpec:
         return self.peak_flops_bf16 if dtype_name in ("bfloat16", "float16") else self.peak_flops_fp32
 
 
-# Sources: NVIDIA A100 datasheet (2021): 312 TFLOP/s bf16 dense, 19.5 TFLOP/s fp32,
+# Sources: NVIDIA A100 datasheet (2021): 312 TFLOP/s bf16 dense, 156 TFLOP/s TF32 dense,
 # 40 GB HBM2 at 1,555 GB/s, 80 GB HBM2e at 2,039 GB/s.
-# NVIDIA H100 SXM datasheet (2023): 989 TFLOP/s bf16 dense, 67 TFLOP/s fp32, 80 GB at 3.35 TB/s.
+# NVIDIA H100 SXM datasheet (2023): 989 TFLOP/s bf16 dense, 494.7 TFLOP/s TF32 dense (the
+# sheet's 989 is with sparsity), 80 GB at 3.35 TB/s.
 # NVIDIA H200 SXM datasheet (2024): H100's compute, 141 GB HBM3e at 4.8 TB/s.
 # "cpu": one simulated XLA CPU device sharing a small host; figures are rough so that plans for
 # cpu-8 weigh compute against the in-process copies that stand in for collectives.
 KNOWN_DEVICES: dict[str, DeviceSpec] = {
     spec.name: spec
     for spec in (
-        DeviceSpec("a100-40gb", 312e12, 19.5e12, 40 * 10**9, 1555e9),
-        DeviceSpec("a100-80gb", 312e12, 19.5e12, 80 * 10**9, 2039e9),
-        DeviceSpec("h100-80gb", 989e12, 67e12, 80 * 10**9, 3350e9),
-        DeviceSpec("h200-141gb", 989e12, 67e12, 141 * 10**9, 4800e9),
+        DeviceSpec("a100-40gb", 312e12, 156e12, 40 * 10**9, 1555e9),
+        DeviceSpec("a100-80gb", 312e12, 156e12, 80 * 10**9, 2039e9),
+        DeviceSpec("h100-80gb", 989e12, 494.7e12, 80 * 10**9, 3350e9),
+        DeviceSpec("h200-141gb", 989e12, 494.7e12, 141 * 10**9, 4800e9),
         DeviceSpec("cpu", 50e9, 50e9, 2 * GIB, 10e9),
     )
 }
