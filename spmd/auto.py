@@ -634,7 +634,10 @@ def _predict(p: _Problem, root_choice: list[int]) -> tuple[Prediction, dict[str,
             resharded.add((v, dst))
             t, cs = p._reshard(g.value_shape(v), g.value_dtype(v), src, dst)
             colls.extend(tuple(cs) * n.repeat)
-            if cs and g.value_bytes(v) >= max(p.small_bytes, 1):
+            # Every reshard point, however small: left out, XLA may partition the op
+            # around the operand's old spec instead (a scatter-add with batch-split indices
+            # then all-reduced the whole table gradient).
+            if g.value_bytes(v):
                 constraints[operand_key(n.path, i)] = dst
     summary = {k: [0, 0.0] for k in COLLECTIVE_KINDS}
     merged = set()  # count what XLA emits: one collective per combined (kind, axes)

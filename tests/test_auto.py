@@ -83,7 +83,9 @@ def test_weights_dominate_gives_megatron():
     assert w1 == ((), ("model",)) and w2 == (("model",), ())   # column, then row
     assert res.output_specs[:2] == [w1, w2]                     # steps chain
     outs, measured = _run(_sgd_step, args, res, mesh)
-    assert measured["all-reduce"][0] == 1 and measured["all-gather"][0] == 0
+    # One activation-sized all-reduce (8 x 512 fp32) for the pair, at most a scalar loss
+    # reduction beside it, and no weight all-gathers.
+    assert measured["all-reduce"][1] <= 8 * 512 * 4 + 4 and measured["all-gather"][0] == 0
     _check_bytes(res, measured)
     _check_numerics(_sgd_step, args, outs)
     # A hand-written data-parallel plan scores worse under the same model.
