@@ -111,6 +111,7 @@ def run_depth(layers: int, time_limit: float | None) -> dict[str, Any]:
     import models
     import spmd
     import spmd.auto
+    import spmd.problem
     from spmd.search import SearchOptions
 
     mesh = spmd.load_mesh(common.REPO_ROOT / MESH, virtual=True)
@@ -134,7 +135,7 @@ def run_depth(layers: int, time_limit: float | None) -> dict[str, Any]:
         timers.wrap_factory(jax, "make_jaxpr", "trace")
         timers.wrap(spmd.auto, "build_graph", "graph_build")
         # _solve = the problem's solver request (p.request) + the solver call (solve)
-        timers.wrap(getattr(spmd.auto, "_Problem", None), "request", "request")
+        timers.wrap(getattr(spmd.problem, "Problem", None), "request", "request")
         timers.wrap(spmd.auto, "solve", "solve_call")
         t0 = time.perf_counter()
         plan = spmd.plan(spec.train_step, abstract_model, abstract_opt, abstract_batch,
@@ -255,7 +256,7 @@ def render(data: dict[str, Any]) -> str:
         "",
         "Columns: total s is the whole `spmd.plan` call; the split: trace = `jax.make_jaxpr` "
         "of the step, graph = `spmd.auto.build_graph`, setup = the rest of the search "
-        "(`_Problem`: strategies, costs, ties; stats), request = `_Problem.request` (the "
+        "(`spmd.problem.Problem`: strategies, costs, ties; stats), request = `Problem.request` (the "
         "solver's input: edge cost matrices, liveness), solve = `spmd.auto.solve` (model "
         "building and solving), of which solver = `plan.search['solve_seconds']`, other = "
         "the step's signature and the cache key. "

@@ -7,7 +7,6 @@ message and exit with status 2, without a traceback.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path

@@ -16,6 +16,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from spmd.cost import COLLECTIVE_KINDS
+
 __all__ = [
     "COLLECTIVE_KINDS",
     "CollectiveOp",
@@ -25,10 +27,7 @@ __all__ = [
     "shape_bytes",
 ]
 
-# Always present in Report.collectives, in this order.
-COLLECTIVE_KINDS = (
-    "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
-)  # fmt: skip
+# COLLECTIVE_KINDS (spmd.cost) are always present in Report.collectives, in that order.
 _EXTRA_KINDS = ("ragged-all-to-all", "collective-broadcast")
 _ALL_KINDS = COLLECTIVE_KINDS + _EXTRA_KINDS
 
