@@ -9,7 +9,7 @@ import dataclasses
 import io
 import json
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import numpy as np
 
