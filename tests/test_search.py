@@ -106,3 +106,29 @@ def test_auto_plan_explains_itself():
                    "params/w1"):
         assert needle in text
     assert set(plan.alternatives) >= {"dp", "fsdp", "tp"}
+
+
+def test_auto_never_returns_a_plan_predicted_slower_than_a_hand_written_one(monkeypatch):
+    """When the search (tied layers, pruned small tensors) ends slower than the best scored
+    hand-written plan, that plan (its inputs, intermediates chosen by the ILP) is returned."""
+    import dataclasses
+
+    import spmd.search as search_mod
+
+    real = search_mod.search
+
+    def slower(*args, **kwargs):
+        res = real(*args, **kwargs)
+        worse = dataclasses.replace(res.prediction, total_time=res.prediction.total_time * 10)
+        return dataclasses.replace(res, prediction=worse)
+
+    monkeypatch.setattr(search_mod, "search", slower)
+    mesh = spmd.make_mesh({"data": 2, "model": 4}, virtual=True)
+    options = spmd.SearchOptions(cache=False, compare=True, time_limit=2.0)
+    plan = spmd.plan(_step, *_args(), mesh=mesh, method="auto", options=options,
+                     logical_axes=LOGICAL)
+    kept = plan.search["kept_hand_written"]
+    assert kept == plan.search["warm_start_from"] and kept in plan.alternatives
+    assert plan.prediction["total_time"] == plan.alternatives[kept]["total_time"]
+    assert plan.input_specs == spmd.plan(_step, *_args(), mesh=mesh, method=kept,
+                                         logical_axes=LOGICAL).input_specs
