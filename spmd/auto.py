@@ -29,9 +29,10 @@ from spmd.solver import SolverRequest, SolverResult, solve
 
 __all__ = ["AutoResult", "InputInfo", "Prediction", "score", "search"]
 
-#: Constraints: every op output of at least ``small_bytes`` gets one (a constraint equal to
-#: what XLA would propagate costs nothing; leaving one out let XLA re-slice a value the plan
-#: had gathered, which doubled a step's all-gathers in testing), plus every reshard point.
+#: Constraints: every op output gets one, however small (a constraint equal to what XLA would
+#: propagate costs nothing; leaving one out let XLA re-slice a value the plan had gathered,
+#: which doubled a step's all-gathers, and partition a scatter-add around batch-split indices
+#: the plan had gathered, which all-reduced a whole table gradient), plus every reshard point.
 
 
 @dataclasses.dataclass
@@ -121,7 +122,7 @@ def _predict(p: Problem, root_choice: list[int]) -> tuple[Prediction, dict[str, 
         compute += n.repeat * cost.compute(s.flops, _dtype(n.op)) if s.flops else 0.0
         (combined if n.id in p.off_path else colls).extend(s.collectives * n.repeat)
         for k, spec in enumerate(s.out_specs):
-            if _nbytes(n.op.out_shapes[k], n.op.out_dtypes[k]) >= max(p.small_bytes, 1):
+            if _nbytes(n.op.out_shapes[k], n.op.out_dtypes[k]):
                 constraints[value_key(n.path, k)] = spec
         for i, v in enumerate(n.operands):
             if v is None:
