@@ -134,3 +134,25 @@ def test_literal_output_and_constants():
     cj = jax.make_jaxpr(lambda x: (x + jnp.arange(3.0), 1.0))(jnp.ones(3))
     g = build_graph(cj)
     assert g.outputs[1] is None and g.output_literals[1] == pytest.approx(1.0)
+
+
+def test_nested_scans_multiply_repeats_and_interpret_exactly():
+    def f(w, x):
+        def outer(c, _):
+            def inner(d, wi):
+                return jnp.tanh(d @ wi), d.sum()
+            d, sums = jax.lax.scan(inner, c, w)  # 3 iterations, stacked weights as xs
+            return d * 0.5, sums
+        y, sums = jax.lax.scan(outer, x, None, length=2)
+        return y, sums
+
+    w, x = jnp.ones((3, 4, 4)) * 0.1, jnp.arange(8.0).reshape(2, 4)
+    cj = jax.make_jaxpr(f)(w, x)
+    g = build_graph(cj)
+    dots = [n for n in g.nodes if n.kind == "op" and n.op.primitive == "dot_general"]
+    assert [n.repeat for n in dots] == [6] and len(dots[0].path) == 3
+    stacks = {n.op.out_shapes[0]: n.repeat for n in g.nodes if n.op.primitive == "scan_stack"}
+    assert stacks == {(3,): 6, (2, 3): 2}  # inner ys stacked per outer iteration, then outer
+    got = eval_jaxpr_with(cj.jaxpr, cj.consts, [w, x], lambda p, e, o: o)
+    for a, b in zip(got, f(w, x)):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
