@@ -39,7 +39,8 @@ against compiled HLO on 8 CPU devices in tests/test_cost.py), in this order of r
    axes are not a suffix of the dim's axes, XLA first permutes the src piece;
 5. an axis moving to another dim: gather the axes that disappear, slice the new ones, then one
    all-to-all over the moving axes (plus a collective-permute when the device order that
-   results is not the one asked for);
+   results is not the one asked for); not when one dim would both lose an axis and send one
+   away (``(-, (model, data)) -> (model, -)``): XLA rematerializes that (rule 6);
 6. otherwise XLA's "involuntary full rematerialization": all-gather everything, then slice.
 
 >>> from spmd.mesh import make_mesh
@@ -327,11 +328,13 @@ class CostModel:
             return None
         out: list[Collective] = []
         cur = [list(d) for d in src]
-        # Gather the axes that disappear; each must be a suffix of its dim.
+        # Gather the axes that disappear; each must be a suffix of its dim, on a dim no axis
+        # moves away from (XLA does not gather and all-to-all one dim in a row: it
+        # rematerializes the whole array instead).
         for i in reversed(range(len(shape))):
             gone = [a for a in cur[i] if a not in dst_dim]
             if gone:
-                if cur[i][-len(gone):] != gone:
+                if cur[i][-len(gone):] != gone or any(a in moving for a in cur[i]):
                     return None
                 del cur[i][-len(gone):]
                 out.append(Collective("all-gather", tuple(gone),

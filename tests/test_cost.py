@@ -173,6 +173,10 @@ RESHARDS = [
     (M2, (16, 32), P("data"), P(None, "model")),
     (M2, (16, 32), P(("data", "model")), P(None, "model")),
     (M3, (16, 32, 8), P("a", "b", "c"), P(None, None, ("a", "b", "c"))),
+    # ... also when one dim would lose an axis and send another to a second dim
+    (M2, (16, 32), P(None, ("model", "data")), P("model", None)),
+    (M2, (16, 32), P(("model", "data"), None), P(None, "model")),
+    (M3, (16, 32), P(None, ("a", "b", "c")), P(("a", "b"), None)),
 ]
 
 
