@@ -410,9 +410,14 @@ def render(data: dict[str, Any]) -> str:
     ok = [c for c in data["cases"] if "error" not in c]
     counts = {k: (sum(1 for c in ok if c["summary"][k]),
                   sum(1 for c in ok if c["summary"][k] is not None)) for k in "ABC"}
+    judged = [c for c in ok if c["summary"]["B"] is not None]
+    undominated = sum(1 for c in judged if not c["summary"].get("dominated_by"))
+    commands = data["command"] if isinstance(data["command"], list) else [data["command"]]
     align = ["l", "l", "r", "l", "r", "l"] + ["r"] * 9 + ["l"]
     lines = [
-        f"Command: `{data['command']}`",
+        "Command: " + "; then ".join(f"`{c}`" for c in commands)
+        + (" (its cases appended to the first run's JSON, the section rendered with "
+           "`--rerender`)" if len(commands) > 1 else ""),
         "",
         f"Machine: {common.machine_line(data['machine'])}. Date: {data['date']}. "
         f"Solver time limit {data['time_limit']:g} s per solve; total run "
@@ -426,7 +431,8 @@ def render(data: dict[str, Any]) -> str:
         "",
         "Columns: predicted ms is the cost model's step time (`Plan.prediction` / "
         "`Plan.alternatives`, the best scored hand-written plan in brackets); HLO MiB is the "
-        "per-device collective bytes of the optimized HLO (`spmd.analyze`, static count), the "
+        "per-device collective bytes of the optimized HLO (`spmd.analyze`, per execution: a "
+        "loop's collectives times its trip count), the "
         "hand-written plan with the fewest in brackets, `ratio` = auto / that plan; mem is the "
         "per-device memory of the compiled step, arguments + temporaries from XLA's "
         "`memory_analysis` (manual: of that same plan; XLA's own peak on CPU leaves "
@@ -441,7 +447,8 @@ def render(data: dict[str, Any]) -> str:
         "hand-written plans with fewer HLO bytes (beyond 5%) at no more memory than auto "
         "(B's other reading: empty means no hand-written plan beats auto on both). "
         f"Passed: A {counts['A'][0]}/{counts['A'][1]}, B {counts['B'][0]}/{counts['B'][1]}, "
-        f"C {counts['C'][0]}/{counts['C'][1]}"
+        f"C {counts['C'][0]}/{counts['C'][1]}; not dominated (B's other reading) "
+        f"{undominated}/{len(judged)}"
         + (f"; {len(failures)} case(s) failed to run" if failures else "") + "."
         + ("" if data.get("complete", True) else
            f" **Partial run: {len(data['cases'])} of {data.get('planned_cases', '?')} cases.**"),
@@ -462,8 +469,11 @@ def render(data: dict[str, Any]) -> str:
         lines += ["", "Cases that failed:", "", *failures]
     if notes:
         lines += ["", "Notes:", "", *notes]
-    lines += ["", "On CPU XLA emits no reduce-scatter (it all-reduces and slices), so HLO bytes of "
-              "plans that reduce-scatter on GPU read higher here than the cost model predicts."]
+    lines += ["", "On CPU XLA emits no reduce-scatter (it all-reduces and slices). The cost model "
+              "prices that for every mesh compiled here, virtual GPU meshes included (so "
+              "predicted and HLO bytes can be compared), but it means a plan that shards "
+              "gradients (ZeRO-like) moves about twice the bytes here that it would on GPUs, "
+              "where a reduce-scatter plus an all-gather move what one all-reduce does."]
     return "\n".join(lines)
 
 
