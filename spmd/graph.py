@@ -202,11 +202,13 @@ def build_graph(closed_jaxpr) -> Graph:
         return env[atom]
 
     def boundary(primitive: str, operand: Value | None, var, path: Path, repeat: int,
-                 stacked_in: int = 0, stacked_out: int = 0) -> Value:
-        """A pseudo-op moving one value across a scan's boundary (see module docstring)."""
+                 stacked_in: int | None = None, stacked_out: int | None = None) -> Value:
+        """A pseudo-op moving one value across a scan's boundary (see module docstring);
+        ``stacked_*``: the loop length leading the stacked side's shape."""
         shape, dtype = _aval(var)
-        op = Op(primitive, {}, ((stacked_in,) * bool(stacked_in) + shape,), (dtype,),
-                ((stacked_out,) * bool(stacked_out) + shape,), (dtype,))
+        lead_in = () if stacked_in is None else (stacked_in,)
+        lead_out = () if stacked_out is None else (stacked_out,)
+        op = Op(primitive, {}, (lead_in + shape,), (dtype,), (lead_out + shape,), (dtype,))
         return Value(add("op", op, (operand,), path, repeat=repeat).id, 0)
 
     def scan(eqn, operands: list[Value | None], path: Path, repeat: int) -> list[Value | None]:
