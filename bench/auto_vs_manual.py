@@ -506,10 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3, help="steps run on 8-device meshes")
     parser.add_argument("--case-timeout", type=float, default=600.0,
                         help="seconds per model x mesh before it is recorded as timed out")
-    parser.add_argument("--output", type=Path, default=None,
-                        help="JSON output (default bench/results/auto_vs_manual.json)")
-    parser.add_argument("--results-md", type=Path, default=None,
-                        help="markdown to update (default bench/RESULTS.md unless --output)")
+    common.add_output_arguments(parser, "auto_vs_manual")
     parser.add_argument("--rerender", type=Path, default=None, metavar="JSON",
                         help="recompute the criteria and the RESULTS.md section from a JSON "
                              "this script wrote, without running anything")
@@ -527,9 +524,8 @@ def main(argv: list[str] | None = None) -> int:
         for case in data["cases"]:
             if "error" not in case:
                 case["summary"] = summarize(case)
-        out = args.output or args.rerender
+        out, md = common.outputs(args, "auto_vs_manual", default_json=args.rerender)
         common.write_json(data, out)
-        md = args.results_md or (common.RESULTS_MD if args.output is None else None)
         if md is not None:
             common.replace_section(SECTION, render(data), md)
         for case in data["cases"]:
@@ -561,8 +557,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"{len(model_names)} models x {len(mesh_names)} meshes, solver limit "
           f"{args.time_limit:g} s", flush=True)
-    out = args.output or common.RESULTS_DIR / "auto_vs_manual.json"
-    md = args.results_md or (common.RESULTS_MD if args.output is None else None)
+    out, md = common.outputs(args, "auto_vs_manual")
     for mesh in mesh_names:
         for model in model_names:
             case = run_worker_subprocess(model, mesh, args)

@@ -137,6 +137,23 @@ def replace_section(title: str, body: str, path: Path = RESULTS_MD) -> None:
     path.write_text("\n".join(lines).rstrip("\n") + "\n")
 
 
+def add_output_arguments(parser: Any, name: str) -> None:
+    """``--output`` and ``--results-md``, the same for every benchmark (see ``outputs``)."""
+    parser.add_argument("--output", type=Path, default=None,
+                        help=f"JSON output (default bench/results/{name}.json)")
+    parser.add_argument("--results-md", type=Path, default=None,
+                        help="markdown file to update (default bench/RESULTS.md unless "
+                             "--output is given)")
+
+
+def outputs(args: Any, name: str, default_json: Path | None = None) -> tuple[Path, Path | None]:
+    """Where a run writes its JSON and which RESULTS.md it updates (None: none): a run sent
+    elsewhere with ``--output`` leaves bench/RESULTS.md alone unless ``--results-md`` says."""
+    out = args.output or default_json or RESULTS_DIR / f"{name}.json"
+    md = args.results_md or (RESULTS_MD if args.output is None else None)
+    return out, md
+
+
 def write_json(data: Any, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")

@@ -16,7 +16,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, machine_line, markdown_table, replace_section, utc_date  # noqa: E402
+from common import (  # noqa: E402
+    machine, machine_line, markdown_table, replace_section, utc_date, write_json,
+)
 
 TITLE = "## One GPU: compute and memory against the cost model (bench/gpu.py)"
 # (zoo model, compute dtype, batch, config overrides)
@@ -107,8 +109,7 @@ def _save(out: Path, rows: list[dict]) -> None:
     result = {"command": " ".join(["python", "bench/gpu.py", *sys.argv[1:]]),
               "device": str(jax.devices()[0].device_kind), "machine": machine(),
               "date": utc_date(), "rows": rows}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu.json").write_text(json.dumps(result, indent=1))
+    write_json(result, out / "gpu.json")
 
 
 def _findings(rows: list[dict]) -> list[str]:

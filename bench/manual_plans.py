@@ -23,7 +23,6 @@ import gc
 import math
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 try:  # run as a script (python bench/manual_plans.py): bench/ is on sys.path
@@ -276,11 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", default="dp,zero,fsdp,tp,dp_tp,fsdp_tp,ep",
                         help="comma-separated hand-written methods")
     parser.add_argument("--steps", type=int, default=5, help="timed steps (after 2 warm-up)")
-    parser.add_argument("--output", type=Path, default=None,
-                        help="JSON output (default bench/results/manual_plans.json)")
-    parser.add_argument("--results-md", type=Path, default=None,
-                        help="markdown file to update (default bench/RESULTS.md unless "
-                             "--output is given)")
+    common.add_output_arguments(parser, "manual_plans")
     args = parser.parse_args(argv)
 
     import spmd
@@ -312,9 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     data["total_wall_s"] = time.perf_counter() - start
     data["observations"] = observations(data)
 
-    out = args.output or common.RESULTS_DIR / "manual_plans.json"
+    out, md = common.outputs(args, "manual_plans")
     common.write_json(data, out)
-    md = args.results_md or (common.RESULTS_MD if args.output is None else None)
     if md is not None:
         common.replace_section(SECTION, render(data), md)
     print(f"wrote {out}" + (f" and {md}" if md else "") + f" in {data['total_wall_s']:.0f} s")

@@ -51,13 +51,8 @@ class _Timers:
         self.calls: dict[str, int] = {}
         self._undo: list[tuple[Any, str, Any]] = []
 
-    def wrap(self, owner: Any, attr: str, label: str) -> bool:
-        fn = getattr(owner, attr, None)
-        if fn is None or not callable(fn):
-            return False
-        self.seconds.setdefault(label, 0.0)
-        self.calls.setdefault(label, 0)
-
+    def _timed(self, fn: Any, label: str) -> Any:
+        """``fn``, adding its calls and seconds to ``label``."""
         def timed(*a, **k):
             t0 = time.perf_counter()
             try:
@@ -66,34 +61,25 @@ class _Timers:
                 self.seconds[label] += time.perf_counter() - t0
                 self.calls[label] += 1
 
-        setattr(owner, attr, timed)
-        self._undo.append((owner, attr, fn))
-        return True
+        return timed
 
-    def wrap_factory(self, owner: Any, attr: str, label: str) -> bool:
-        """Like wrap, for ``f(fn) -> callable`` (jax.make_jaxpr): times the returned callable."""
-        factory = getattr(owner, attr, None)
-        if factory is None or not callable(factory):
+    def _replace(self, owner: Any, attr: str, label: str, make: Any) -> bool:
+        fn = getattr(owner, attr, None)
+        if fn is None or not callable(fn):
             return False
         self.seconds.setdefault(label, 0.0)
         self.calls.setdefault(label, 0)
-
-        def make(*a, **k):
-            inner = factory(*a, **k)
-
-            def timed(*ia, **ik):
-                t0 = time.perf_counter()
-                try:
-                    return inner(*ia, **ik)
-                finally:
-                    self.seconds[label] += time.perf_counter() - t0
-                    self.calls[label] += 1
-
-            return timed
-
-        setattr(owner, attr, make)
-        self._undo.append((owner, attr, factory))
+        setattr(owner, attr, make(fn))
+        self._undo.append((owner, attr, fn))
         return True
+
+    def wrap(self, owner: Any, attr: str, label: str) -> bool:
+        return self._replace(owner, attr, label, lambda fn: self._timed(fn, label))
+
+    def wrap_factory(self, owner: Any, attr: str, label: str) -> bool:
+        """Like wrap, for ``f(fn) -> callable`` (jax.make_jaxpr): times the returned callable."""
+        return self._replace(owner, attr, label, lambda factory: lambda *a, **k:
+                             self._timed(factory(*a, **k), label))
 
     def __enter__(self) -> "_Timers":
         return self
@@ -303,10 +289,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="SearchOptions.time_limit (default: SearchOptions' own)")
     parser.add_argument("--case-timeout", type=float, default=300.0,
                         help="seconds per depth before it is recorded as timed out")
-    parser.add_argument("--output", type=Path, default=None,
-                        help="JSON output (default bench/results/search_time.json)")
-    parser.add_argument("--results-md", type=Path, default=None,
-                        help="markdown to update (default bench/RESULTS.md unless --output)")
+    common.add_output_arguments(parser, "search_time")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -353,9 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     data["verdict"] = verdict(data["runs"])
     data["total_wall_s"] = time.perf_counter() - start
 
-    out = args.output or common.RESULTS_DIR / "search_time.json"
+    out, md = common.outputs(args, "search_time")
     common.write_json(data, out)
-    md = args.results_md or (common.RESULTS_MD if args.output is None else None)
     if md is not None:
         common.replace_section(SECTION, render(data), md)
     print(f"{TARGET_LAYERS} layers <= {TARGET_SECONDS:g} s: {data['verdict']['target_time']}; "
