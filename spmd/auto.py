@@ -128,16 +128,20 @@ def _predict(p: Problem, root_choice: list[int]) -> tuple[Prediction, dict[str, 
             if v is None:
                 continue
             src, dst = p.out_spec(v, root_choice[v.node]), s.in_specs[i]
-            if src == dst or (v, dst) in resharded:
+            if src == dst:
+                continue
+            # Every reshard point, however small, and every consumer of it: left out, XLA
+            # may partition the op around the operand's old spec instead (a scatter-add with
+            # batch-split indices then all-reduced the whole table gradient; a second
+            # weight-gradient dot reading the same resharded activation gathered both its
+            # operands over all devices).
+            if g.value_bytes(v):
+                constraints[operand_key(n.path, i)] = dst
+            if (v, dst) in resharded:  # XLA reshards a value once per spec
                 continue
             resharded.add((v, dst))
             t, cs = p._reshard(g.value_shape(v), g.value_dtype(v), src, dst)
             colls.extend(tuple(cs) * n.repeat)
-            # Every reshard point, however small: left out, XLA may partition the op
-            # around the operand's old spec instead (a scatter-add with batch-split indices
-            # then all-reduced the whole table gradient).
-            if g.value_bytes(v):
-                constraints[operand_key(n.path, i)] = dst
     summary = {k: [0, 0.0] for k in COLLECTIVE_KINDS}
     merged = set()  # count what XLA emits: one collective per combined (kind, axes)
     for i, c in enumerate(colls + combined):
