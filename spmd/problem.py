@@ -180,8 +180,12 @@ class Problem:
             keep = n.id in self.aliased
             # Also keep strategies that need no communication: a per-token statistic (a
             # softmax's max, a norm's mean) stays split like the batch it came from, where
-            # forcing it replicated would gather (or all-to-all) the large operand.
+            # forcing it replicated would gather (or all-to-all) the large operand. And those
+            # whose collectives are small too: a bias gradient (a sum over batch and tokens of
+            # a head-split activation) stays head-split, all-reducing only itself; forced
+            # replicated, it gathered the whole activation first.
             rep = [s for s in found if not s.collectives or
+                   all(c.bytes <= self.small_bytes for c in s.collectives) or
                    all(not any(ax) or (keep and ctx.is_required(shape, ax))
                        for ax, shape in zip(s.out_specs, n.op.out_shapes))]
             if rep:

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 
 from spmd.analyze import analyze_hlo_text
 from spmd.apply import constrained
-from spmd.auto import AutoResult, InputInfo, score, search
+from spmd.auto import AutoResult, InputInfo, score, score_result, search
 from spmd.errors import InfeasibleError
 from spmd.mesh import make_mesh
 from spmd.sharding import replicated, to_partition_spec
@@ -136,6 +136,40 @@ def _adam_setup(batch=64, dim=256):
     n_state = len(jax.tree.leaves((p, st)))
     kinds = ["param"] * 2 + ["optimizer"] * (n_state - 2) + ["batch"] * 2
     return step, args, _infos(args, kinds), {i: i for i in range(n_state)}
+
+
+def test_small_bias_gradient_keeps_its_heads_split():
+    """A head-split projection with a bias (Megatron attention's q): the bias gradient is a
+    small sum over batch of the head-split activation gradient. Its all-reduce over the
+    batch axis is small too, so it stays head-split like its pinned bias; forcing the small
+    output replicated used to reshard the whole activation gradient first (an all-to-all
+    here, an all-gather over heads in GPT's attention)."""
+    def loss(p, x):
+        h = jnp.einsum("bd,dhk->bhk", x, p["w"]) + p["b"]
+        return jnp.mean(jnp.tanh(h) ** 2)
+
+    def step(p, x):
+        value, g = jax.value_and_grad(loss)(p, x)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), value
+
+    k = jax.random.split(jax.random.key(0), 3)
+    p = {"b": jax.random.normal(k[0], (8, 32)) * 0.1,
+         "w": jax.random.normal(k[1], (256, 8, 32)) * 0.05}
+    x = jax.random.normal(k[2], (512, 256))
+    args = (p, x)
+    mesh = make_mesh({"data": 2, "model": 4}, bandwidth=50e9, virtual=True)
+    cj = jax.make_jaxpr(step)(*args)
+    infos = _infos(args, ["param", "param", "batch"])
+    pins = [(("model",), ()), ((), ("model",), ()), (("data",), ())]
+    res = score_result(cj, infos, mesh, pins, output_aliases={0: 0, 1: 1})
+    # Only all-reduces (the bias gradient over data, the input gradient is not needed):
+    # no reshard of the activation gradient, gathered or all-to-all'd.
+    moved = {k for k, (count, _) in res.prediction.collectives.items() if count}
+    assert moved == {"all-reduce"}, res.prediction.collectives
+    outs, measured = _run(step, args, res, mesh)
+    assert {k for k, (count, _) in measured.items() if count} == {"all-reduce"}, measured
+    _check_bytes(res, measured)
+    _check_numerics(step, args, outs)
 
 
 def test_memory_budget_shards_parameters_and_optimizer_state():
