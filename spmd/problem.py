@@ -9,9 +9,10 @@ Keeping the program small (every reduction documented in ``AutoResult.stats``):
   an input's memory is its own.
 * **small tensors**: a value under ``small_bytes`` (``min(64 KiB, largest value / 256)``;
   the fraction keeps tiny test models meaningful, the cap keeps real models' biases, norms
-  and scalars out of the search) keeps only strategies with replicated outputs or without
+  and scalars out of the search) keeps only strategies with replicated outputs, without
   communication (a per-token statistic stays split like its batch: forcing it replicated made
-  gpt-tiny all-to-all its logits).
+  gpt-tiny all-to-all its logits) or whose collectives are small too (a bias gradient stays
+  split like its activation: forcing it replicated gathered GPT's attention activations).
 * **combined collectives**: ops no matmul/convolution depends on (``_off_critical_path``:
   weight gradients, the loss, the update) pay only the bandwidth of their all-reduces; XLA
   merges those into one per (kind, axes) (``CostModel.combined``, used by the prediction).
