@@ -449,9 +449,10 @@ _TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
 
 def _loop_runs(instrs: list[_Instr]) -> tuple[set[str], dict[str, int]]:
     """Computations inside a while loop (bodies, conditions, all they call), and how often
-    each computation runs per execution (1 unless loops with known trip counts enclose it)."""
-    calls: dict[str, list[tuple[str, int]]] = {}
-    roots: set[str] = set()
+    each computation runs per execution (1 unless loops with known trip counts enclose it):
+    one walk of the call graph from the computations nothing calls."""
+    # caller -> [(callee, runs per call, whether the call enters a loop)]
+    calls: dict[str, list[tuple[str, int, bool]]] = {}
     called: set[str] = set()
     for instr in instrs:
         trips = 1
@@ -462,24 +463,20 @@ def _loop_runs(instrs: list[_Instr]) -> tuple[set[str], dict[str, int]]:
             names = {t.strip().lstrip("%") for t in target.strip("{}").split(",") if t.strip()}
             in_loop = instr.opcode == "while" and attr in ("body", "condition")
             calls.setdefault(instr.computation, []).extend(
-                (n, trips if attr == "body" and in_loop else 1) for n in names)
+                (n, trips if attr == "body" and in_loop else 1, in_loop) for n in names)
             called |= names
-            if in_loop:
-                roots |= names
-    looped, todo = set(), list(roots)
-    while todo:
-        comp = todo.pop()
-        if comp not in looped:
-            looped.add(comp)
-            todo.extend(n for n, _ in calls.get(comp, ()))
+    looped: set[str] = set()
     runs: dict[str, int] = {}
-    todo2 = [(c, 1) for c in calls if c not in called]
-    while todo2:
-        comp, n = todo2.pop()
-        if runs.get(comp, 0) >= n:
+    todo = [(c, 1, False) for c in calls if c not in called]
+    while todo:
+        comp, n, in_loop = todo.pop()
+        if runs.get(comp, 0) >= n and (comp in looped or not in_loop):
             continue
-        runs[comp] = n
-        todo2.extend((callee, n * k) for callee, k in calls.get(comp, ()))
+        runs[comp] = max(runs.get(comp, 0), n)
+        if in_loop:
+            looped.add(comp)
+        todo.extend((callee, n * k, in_loop or enters)
+                    for callee, k, enters in calls.get(comp, ()))
     return looped, runs
 
 
