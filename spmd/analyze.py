@@ -122,6 +122,28 @@ class Report:
             out[op.kind] = (count + runs, nbytes + runs * op.bytes)
         return out
 
+    def comm_time(self, mesh) -> tuple[float, int]:
+        """Seconds per execution of the collectives XLA emitted, each priced alone by spmd's
+        cost model on ``mesh`` (a ``DeviceMesh``), and how many could not be priced (a
+        collective-permute, or replica groups that are not whole mesh axes).
+
+        Prices a program the search did not plan (a hand-written plan as XLA propagates it)
+        on the same scale as a prediction's ``comm_time``; XLA's combining of independent
+        collectives is not modelled, so it is an upper bound for those.
+        """
+        from spmd.cost import Collective, CostModel
+
+        cost = CostModel(mesh)
+        seconds, unpriced = 0.0, 0
+        for op in self.ops:
+            axes = (None if op.replica_groups is None
+                    else groups_to_mesh_axes(op.replica_groups, dict(mesh.shape)))
+            if axes is None:
+                unpriced += op.runs
+                continue
+            seconds += op.runs * cost.time(Collective(op.kind, axes, float(op.bytes)))
+        return seconds, unpriced
+
     @property
     def total_collective_bytes(self) -> int:
         """Bytes over every collective per execution (see module docstring)."""

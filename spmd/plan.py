@@ -102,9 +102,11 @@ class Plan:
     def attach_measured(self, report) -> None:
         """Record what the compiled program did (a spmd.analyze Report) beside the prediction."""
         full = report.to_dict()
+        comm, unpriced = report.comm_time(self.mesh)
         self.measured = {
             "collectives": {k: [v["count"], v["bytes"]] for k, v in full["collectives"].items()},
-            "memory": full["memory"], "flops": full["flops"]}
+            "memory": full["memory"], "flops": full["flops"],
+            "comm_time": comm, "unpriced_collectives": unpriced}
 
     # -- explanation ---------------------------------------------------------------------------
     def describe(self, max_rows: int | None = 60) -> str:
@@ -140,6 +142,15 @@ class Plan:
             console.print(self._prediction_table())
         if self.measured and self.prediction:
             console.print(self._measured_table())
+            if self.measured.get("comm_time") is not None:
+                unpriced = self.measured.get("unpriced_collectives") or 0
+                console.print(
+                    f"communication priced by the cost model: predicted "
+                    f"{self.prediction['comm_time'] * 1e3:.3f} ms, the HLO's collectives "
+                    f"{self.measured['comm_time'] * 1e3:.3f} ms (each priced alone, so an upper "
+                    f"bound where XLA combined them"
+                    + (f"; {unpriced} not priced: no whole-axis replica groups" if unpriced else "")
+                    + ")")
         elif self.measured and self.measured.get("memory"):
             console.print(f"compiled: peak {self.measured['memory']['peak_bytes'] / 2**20:.2f} "
                           f"MiB per device")

@@ -229,6 +229,26 @@ ENTRY %main (p: f32[64]) -> f32[8] {
 """
 
 
+def test_comm_time_prices_each_collective_over_its_mesh_axes():
+    """The HLO's collectives priced by the cost model: groups {0..3},{4..7} are the `model`
+    axis of a 2x4 mesh, {0..7} (or `{}`) both axes; the collective-permute has pairs, not
+    groups, and is reported unpriced."""
+    from spmd.cost import Collective, CostModel
+    from spmd.mesh import make_mesh
+
+    mesh = make_mesh({"data": 2, "model": 4}, bandwidth=10e9, latency=1e-5, virtual=True)
+    cost = CostModel(mesh)
+    report = analyze_hlo_text(ASYNC_GPU_HLO)
+    seconds, unpriced = report.comm_time(mesh)
+    everything = ("data", "model")
+    want = (cost.time(Collective("all-reduce", ("model",), 64 * F32))
+            + cost.time(Collective("all-gather", everything, 64 * F32))
+            + cost.time(Collective("reduce-scatter", everything, 64 * 2))
+            + cost.time(Collective("reduce-scatter", everything, 64 * F32)))
+    assert unpriced == 1
+    assert seconds == pytest.approx(want)
+
+
 def test_async_pairs_count_the_start_once_with_the_right_bytes():
     report = analyze_hlo_text(ASYNC_GPU_HLO)
     assert report.collectives["all-reduce"] == (1, 64 * F32)

@@ -103,8 +103,12 @@ def test_auto_plan_explains_itself():
     plan.attach_measured(spmd.analyze(compiled))
     text = plan.describe()
     for needle in ("predicted cost per step", "auto (this plan)", "dp", "predicted vs compiled",
-                   "params/w1"):
+                   "params/w1", "communication priced by the cost model"):
         assert needle in text
+    # The compiled program's collectives, priced by the same model, cost what was predicted
+    # (here one gradient all-reduce: nothing for XLA to combine).
+    assert plan.measured["unpriced_collectives"] == 0
+    assert plan.measured["comm_time"] == pytest.approx(plan.prediction["comm_time"], rel=0.01)
     assert set(plan.alternatives) >= {"dp", "fsdp", "tp"}
 
 
