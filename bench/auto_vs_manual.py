@@ -123,11 +123,15 @@ def _pred_bytes(pred: dict) -> float:
     return float(sum(b for _, b in pred["collectives"].values()))
 
 
-def _report_dict(report) -> dict[str, Any]:
+def _report_dict(report, mesh) -> dict[str, Any]:
     mem = report.memory
+    comm, unpriced = report.comm_time(mesh)
     return {
         "collectives": {k: [c, b] for k, (c, b) in report.collectives.items()},
         "total_collective_bytes": report.total_collective_bytes,
+        # the HLO's collectives priced by the cost model (each alone), on the scale of the
+        # predictions: compares plans as XLA runs them, not as the search scored them
+        "comm_time": comm, "unpriced_collectives": unpriced,
         "peak_bytes": None if mem is None else mem.peak_bytes,
         "memory": None if mem is None else {
             "argument_bytes": mem.argument_bytes, "output_bytes": mem.output_bytes,
@@ -194,7 +198,7 @@ def run_case(model_name: str, mesh_name: str, time_limit: float, steps: int) -> 
     if step.plan.search and "cache" not in step.plan.search:
         out["warnings"].append("parallelize() searched again instead of loading the cached plan")
     report = spmd.analyze(compiled)
-    out["auto_hlo"] = _report_dict(report)
+    out["auto_hlo"] = _report_dict(report, mesh)
     if runnable:
         losses, times = [], []
         for _ in range(steps):
@@ -222,7 +226,7 @@ def run_case(model_name: str, mesh_name: str, time_limit: float, steps: int) -> 
             mstep = spmd.parallelize(spec.train_step, mesh=mesh, method=method)
             mcompiled = mstep.lower(*args).compile()
             entry = {"applicable": True, "splits": splits, "compile_s": time.perf_counter() - t0,
-                     **_report_dict(spmd.analyze(mcompiled))}
+                     **_report_dict(spmd.analyze(mcompiled), mesh)}
             del mcompiled, mstep
         except Exception as err:  # noqa: BLE001 - recorded, the other plans still run
             entry = {"applicable": True, "splits": splits,
@@ -282,6 +286,10 @@ def summarize(case: dict[str, Any]) -> dict[str, Any]:
                                 _mem(compiled[name]))
     else:
         s["best_manual_hlo"] = None
+    # Communication of the compiled programs, priced by the cost model (older results lack it)
+    s["auto_hlo_comm_s"] = auto_hlo.get("comm_time")
+    priced = {k: v["comm_time"] for k, v in compiled.items() if v.get("comm_time") is not None}
+    s["best_manual_hlo_comm"] = (min(priced.items(), key=lambda kv: kv[1]) if priced else None)
     pb = _pred_bytes(pred)
     s["pred_bytes"] = pb
     hb = s["auto_hlo_bytes"]
@@ -367,8 +375,8 @@ def run_worker_subprocess(model: str, mesh: str, args) -> dict[str, Any]:
 def render(data: dict[str, Any]) -> str:
     headers = ["model", "mesh", "auto pred ms", "best manual pred ms (name)", "auto HLO MiB",
                "best manual HLO MiB (name)", "ratio", "auto mem MiB", "manual mem MiB",
-               "pred/HLO bytes", "search s", "plan s", "A pred", "B bytes", "C model",
-               "B strict", "dominated by"]
+               "pred/HLO bytes", "auto HLO comm ms", "least manual HLO comm ms (name)",
+               "search s", "plan s", "A pred", "B bytes", "C model", "B strict", "dominated by"]
     rows, failures, notes = [], [], []
     for case in data["cases"]:
         if "error" in case:
@@ -386,7 +394,11 @@ def render(data: dict[str, Any]) -> str:
             f"{_mib(bmh[1])} ({bmh[0]})" if bmh else "none compiled",
             "" if ratio is None else f"{ratio:.2f}",
             _mib(s["auto_peak"]), _mib(bmh[2]) if bmh else "",
-            f"{s['pred_over_hlo']:.2f}", f"{case['search'].get('search_seconds', 0):.1f}",
+            f"{s['pred_over_hlo']:.2f}",
+            "" if s.get("auto_hlo_comm_s") is None else f"{s['auto_hlo_comm_s'] * 1e3:.3f}",
+            "" if not s.get("best_manual_hlo_comm") else
+            f"{s['best_manual_hlo_comm'][1] * 1e3:.3f} ({s['best_manual_hlo_comm'][0]})",
+            f"{case['search'].get('search_seconds', 0):.1f}",
             f"{case['plan_s']:.1f}", _mark(s["A"]), _mark(s["B"]), _mark(s["C"]),
             _mark(s.get("B_strict")), ", ".join(s.get("dominated_by") or []),
         ])
@@ -415,7 +427,7 @@ def render(data: dict[str, Any]) -> str:
                   sum(1 for c in ok if c["summary"].get(k) is not None))
               for k in ("A", "B", "C", "B_strict")}
     commands = data["command"] if isinstance(data["command"], list) else [data["command"]]
-    align = ["l", "l", "r", "l", "r", "l"] + ["r"] * 10 + ["l"]
+    align = ["l", "l", "r", "l", "r", "l"] + ["r"] * 5 + ["l"] + ["r"] * 6 + ["l"]
     lines = [
         "Command: " + "; then ".join(f"`{c}`" for c in commands)
         + (" (its cases appended to the first run's JSON, the section rendered with "
@@ -439,7 +451,11 @@ def render(data: dict[str, Any]) -> str:
         "per-device memory of the compiled step, arguments + temporaries from XLA's "
         "`memory_analysis` (manual: of that same plan; XLA's own peak on CPU leaves "
         "temporaries out, see the hand-written plans section); pred/HLO is auto's predicted "
-        "collective bytes over its measured ones; search s is the search alone "
+        "collective bytes over its measured ones; HLO comm ms is a compiled program's "
+        "collectives priced by the same cost model, each alone (`Report.comm_time`: the plans "
+        "as XLA runs them, on the predictions' scale; an upper bound where XLA combines "
+        "collectives), the hand-written plan with the least in brackets; search s is the "
+        "search alone "
         "(`plan.search['search_seconds']`), plan s the whole `spmd.plan` call (tracing and "
         "scoring every hand-written plan included).",
         "",
