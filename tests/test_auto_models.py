@@ -145,8 +145,8 @@ def test_moe_finds_expert_parallelism():
 def test_every_consumer_of_a_resharded_value_is_constrained():
     """A value read by two ops in the same new spec is resharded once, but each read gets
     its constraint: left without one, XLA partitioned a second weight-gradient dot its own
-    way and gathered both operands over all devices (gpt-1.3b cut to 8 layers, 16 A100s: 25 unplanned
-    all-gathers of the whole activation, 58% more bytes than predicted)."""
+    way and gathered both operands over all devices (gpt-1.3b cut to 8 layers on 16 A100s:
+    25 unplanned all-gathers of the whole activation, 58% more bytes than predicted)."""
     import models
     from flax import nnx
     from spmd.graph import build_graph, operand_key
