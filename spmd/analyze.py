@@ -50,6 +50,7 @@ import dataclasses
 import io
 from typing import Any
 
+from spmd.cost import Collective, CostModel
 from spmd.hlo import (
     COLLECTIVE_KINDS,
     CollectiveOp,
@@ -131,8 +132,6 @@ class Report:
         on the same scale as a prediction's ``comm_time``; XLA's combining of independent
         collectives is not modelled, so it is an upper bound for those.
         """
-        from spmd.cost import Collective, CostModel
-
         cost = CostModel(mesh)
         seconds, unpriced = 0.0, 0
         for op in self.ops:

@@ -6,7 +6,7 @@ hands a flat :class:`~spmd.solver.SolverRequest` to the solver (DESIGN.md, "The 
 integer program"). The answer is a spec for every input, every output and the intermediates
 worth constraining, plus the cost model's :class:`Prediction` of the plan.
 
-How the problem is built and kept small (followers, small tensors, tied layers, scans,
+How the problem is built and kept small (followers, small inputs, tied layers, scans,
 memory by liveness) is :mod:`spmd.problem`'s docstring.
 """
 

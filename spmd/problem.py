@@ -7,12 +7,13 @@ Keeping the program small (every reduction documented in ``AutoResult.stats``):
   choice of the op producing their main operand (their largest operand): they are merged
   into its group and add their cost to it. Inputs and constants never absorb followers, so
   an input's memory is its own.
-* **small tensors**: a value under ``small_bytes`` (``min(64 KiB, largest value / 256)``;
+* **small inputs**: an input under ``small_bytes`` (``min(64 KiB, largest value / 256)``;
   the fraction keeps tiny test models meaningful, the cap keeps real models' biases, norms
-  and scalars out of the search) keeps only strategies with replicated outputs, without
-  communication (a per-token statistic stays split like its batch: forcing it replicated made
-  gpt-tiny all-to-all its logits) or whose collectives are small too (a bias gradient stays
-  split like its activation: forcing it replicated gathered GPT's attention activations).
+  and scalars out of the search) is replicated, without a variable. Small *ops* keep all
+  their strategies: restricting them to replicated outputs made gpt-tiny all-to-all its
+  logits (a per-token statistic must stay split like its batch) and GPT's attention gather
+  whole activations over heads (a bias gradient must stay split like its activation); their
+  collectives are small anyway.
 * **combined collectives**: ops no matmul/convolution depends on (``_off_critical_path``:
   weight gradients, the loss, the update) pay only the bandwidth of their all-reduces; XLA
   merges those into one per (kind, axes) (``CostModel.combined``, used by the prediction).
@@ -130,22 +131,20 @@ class Problem:
         self.own_cost: list[np.ndarray] = []
         # Repeated layers repeat their ops: strategies and costs are computed once per
         # distinct (primitive, shapes, dtypes, params).
-        memo: dict[tuple, tuple[list[_rules.Strategy], np.ndarray, bool]] = {}
+        memo: dict[tuple, tuple[list[_rules.Strategy], np.ndarray]] = {}
         self.aliased = {graph.outputs[o].node for o in self.aliases if graph.outputs[o] is not None}
         self.off_path = _off_critical_path(graph)
         self.stats["off_path"] = len(self.off_path)
         for n in nodes:
             off = n.id in self.off_path
-            key = (self._op_key(n), n.id in self.aliased, off) if n.kind == "op" else None
+            key = (self._op_key(n), off) if n.kind == "op" else None
             if key is not None and key in memo:
-                ss, costs, small = memo[key]
-                self.stats["small"] += small
+                ss, costs = memo[key]
             else:
-                before = self.stats["small"]
                 ss = self._strategies(n, ctx, inputs, pins)
                 costs = np.array([self._cost(n, s, off) for s in ss])
                 if key is not None:
-                    memo[key] = (ss, costs, self.stats["small"] - before)
+                    memo[key] = (ss, costs)
             self.strats.append(ss)
             self.own_cost.append(costs * n.repeat if n.repeat != 1 else costs)
         self._merge_followers()
@@ -174,25 +173,7 @@ class Problem:
                 self.stats["small"] += 1
                 return [_input_strategy(replicated(len(shape)))]
             return [_input_strategy(s) for s in all_specs(shape, self.mesh_shape, 2)]
-        found = _rules.strategies(n.op, ctx)
-        total = sum(_nbytes(s, d) for s, d in zip(n.op.out_shapes, n.op.out_dtypes))
-        if total < self.small_bytes and len(found) > 1:
-            # The new value of a pinned input must still be able to come back in its spec.
-            keep = n.id in self.aliased
-            # Also keep strategies that need no communication: a per-token statistic (a
-            # softmax's max, a norm's mean) stays split like the batch it came from, where
-            # forcing it replicated would gather (or all-to-all) the large operand. And those
-            # whose collectives are small too: a bias gradient (a sum over batch and tokens of
-            # a head-split activation) stays head-split, all-reducing only itself; forced
-            # replicated, it gathered the whole activation first.
-            rep = [s for s in found if not s.collectives or
-                   all(c.bytes <= self.small_bytes for c in s.collectives) or
-                   all(not any(ax) or (keep and ctx.is_required(shape, ax))
-                       for ax, shape in zip(s.out_specs, n.op.out_shapes))]
-            if rep:
-                self.stats["small"] += 1
-                return rep
-        return found
+        return _rules.strategies(n.op, ctx)
 
     def _cost(self, n, s: _rules.Strategy, off_path: bool = False) -> float:
         if n.kind != "op":  # tie-break: between equally fast plans, hold less
