@@ -46,10 +46,6 @@ def _local_search(prob: _Problem, deadline: float, sweeps: int = 60,
                 cost += mat[:, pick[h]]
         return cost
 
-    def total(p: list[int]) -> float:
-        return (sum(float(prob.unary[g][p[g]]) for g in range(n))
-                + sum(float(m[p[u], p[v]]) for (u, v), m in prob.pairs.items()))
-
     rng = np.random.default_rng(0)
     edge_keys = list(prob.pairs)
 
@@ -114,7 +110,7 @@ def _local_search(prob: _Problem, deadline: float, sweeps: int = 60,
     else:
         for g in range(n):
             pick[g] = best(g)
-    current = total(pick)
+    current = prob.total(pick)
     idle = 0
     for _ in range(sweeps):
         if time.perf_counter() > deadline:
@@ -125,7 +121,7 @@ def _local_search(prob: _Problem, deadline: float, sweeps: int = 60,
             w = (np.array([abs(v - u) for u, v in edge_keys], dtype=float) if _ == 0
                  else rng.random(len(edge_keys)))
             trial = tree_dp(w)
-            value = total(trial)
+            value = prob.total(trial)
             if value < current:
                 pick, current = trial, value
         for g in range(n):
@@ -134,7 +130,7 @@ def _local_search(prob: _Problem, deadline: float, sweeps: int = 60,
             joint = reply(gu, gv)[:, None] + reply(gv, gu)[None, :] + mat
             i, j = np.unravel_index(int(np.argmin(joint)), joint.shape)
             pick[gu], pick[gv] = int(i), int(j)
-        current = total(pick)
+        current = prob.total(pick)
         idle = 0 if current < before * (1 - 1e-9) else idle + 1
         if idle >= patience or not edge_keys and idle:
             break

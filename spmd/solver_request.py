@@ -224,6 +224,11 @@ class _Problem:
     unary: list[np.ndarray]  # per group, seconds per strategy (inf: forbidden)
     pairs: dict[tuple[int, int], np.ndarray]  # (gu, gv), gu < gv -> matrix (inf: forbidden)
 
+    def total(self, pick: Sequence[int]) -> float:
+        """Seconds of one strategy per group (``evaluate`` on the folded problem)."""
+        return (sum(float(u[p]) for u, p in zip(self.unary, pick))
+                + sum(float(m[pick[a], pick[b]]) for (a, b), m in self.pairs.items()))
+
 
 def _reduce(r: SolverRequest) -> _Problem:
     rep = _representatives(r)

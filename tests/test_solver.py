@@ -273,3 +273,26 @@ def test_local_search_moves_tied_chains_and_repairs_a_warm_start():
     req.warm_start = [0, 1, 0]  # forbidden pairs: only its repaired version is a seed
     res = solve(req)
     assert res.choice == [1, 1, 1] and res.objective == pytest.approx(2.0)
+
+
+def test_min_sum_seed_sees_a_choice_that_pays_off_far_downstream():
+    """A ladder (each node joined to the next two) whose first node is a tie and whose last
+    node prefers the other strategy: greedy takes strategy 0 everywhere and no local move
+    escapes (a chain moved alone still mismatches the skip edges: 2 x 1 per rung, while the
+    last node's preference is 1.5), the trap of the token embedding's tie on gpt-1.3b.
+    Messages carry the last node's preference back to the tie: all 1, cost 0."""
+    from spmd.local_search import _local_search
+    from spmd.min_sum import min_sum_seed
+    from spmd.solver_request import _reduce
+
+    n = 12
+    mismatch = [[0.0, 1.0], [1.0, 0.0]]
+    edges = [(i, i + k) for k in (1, 2) for i in range(n - k)]
+    req = request([[0.0, 0.0]] * (n - 1) + [[1.5, 0.0]], edges=edges,
+                  edge_costs=[mismatch] * len(edges))
+    prob = _reduce(req)
+    deadline = time.perf_counter() + 5.0
+    assert evaluate(req, _local_search(prob, deadline)) == pytest.approx(1.5)
+    seed = min_sum_seed(prob, deadline)
+    assert seed == [1] * n and evaluate(req, seed) == 0.0
+    assert solve(req).objective == 0.0
