@@ -430,8 +430,7 @@ def render(data: dict[str, Any]) -> str:
     align = ["l", "l", "r", "l", "r", "l"] + ["r"] * 5 + ["l"] + ["r"] * 6 + ["l"]
     lines = [
         "Command: " + "; then ".join(f"`{c}`" for c in commands)
-        + (" (its cases appended to the first run's JSON, the section rendered with "
-           "`--rerender`)" if len(commands) > 1 else ""),
+        + (" (each later run's cases added with `--append`)" if len(commands) > 1 else ""),
         "",
         f"Machine: {common.machine_line(data['machine'])}. Date: {data['date']}. "
         f"Solver time limit {data['time_limit']:g} s per solve; total run "
@@ -531,6 +530,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rerender", type=Path, default=None, metavar="JSON",
                         help="recompute the criteria and the RESULTS.md section from a JSON "
                              "this script wrote, without running anything")
+    parser.add_argument("--append", type=Path, default=None, metavar="JSON",
+                        help="add this run's cases to a JSON this script wrote (replacing "
+                             "any of the same model and mesh) and render both together")
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "MESH"), help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -578,9 +580,23 @@ def main(argv: list[str] | None = None) -> int:
         "planned_cases": len(model_names) * len(mesh_names),
         "cases": [],
     }
+    earlier = {"cases": [], "command": [], "total_wall_s": 0.0}
+    if args.append:
+        earlier = json.loads(args.append.read_text())
+        if earlier.get("time_limit") != args.time_limit:
+            parser.error(f"--append {args.append}: its runs used --time-limit "
+                         f"{earlier.get('time_limit')}, this one {args.time_limit:g}; one "
+                         f"table needs one limit")
+        rerun = {(m, h) for m in model_names for h in mesh_names}
+        earlier["cases"] = [c for c in earlier["cases"] if (c["model"], c["mesh"]) not in rerun]
+        commands = earlier["command"]
+        data["command"] = [*(commands if isinstance(commands, list) else [commands]),
+                           data["command"]]
+        data["planned_cases"] += len(earlier["cases"])
     print(f"{len(model_names)} models x {len(mesh_names)} meshes, solver limit "
           f"{args.time_limit:g} s", flush=True)
-    out, md = common.outputs(args, "auto_vs_manual")
+    out, md = common.outputs(args, "auto_vs_manual", default_json=args.append)
+    data["cases"] = list(earlier["cases"])
     for mesh in mesh_names:
         for model in model_names:
             case = run_worker_subprocess(model, mesh, args)
@@ -589,8 +605,8 @@ def main(argv: list[str] | None = None) -> int:
             data["cases"].append(case)
             print_row(case)
             # after every case, so an interrupted run keeps what it measured
-            data["total_wall_s"] = time.perf_counter() - start
-            data["complete"] = len(data["cases"]) == len(mesh_names) * len(model_names)
+            data["total_wall_s"] = earlier["total_wall_s"] + time.perf_counter() - start
+            data["complete"] = len(data["cases"]) == data["planned_cases"]
             common.write_json(data, out)
             if md is not None:
                 common.replace_section(SECTION, render(data), md)
