@@ -13,7 +13,9 @@ share one class literal, so a 30 x 30 matrix is usually a handful of classes. Sm
 matrices (<= ``MARGINAL_LIMIT`` entries) get edge booleans e[i,j] whose rows sum to the
 u-class and columns to the v-class literals (the tight "local polytope" relaxation); larger
 ones an integer c >= sum_j R[i][j] * y[v,j] enforced by y[u,i] (k_u constraints, no k_u * k_v
-booleans). ``inf`` means forbidden: the strategy or the pair is excluded, never scaled.
+booleans). A charge (a cost shared by several strategies, paid once) is one boolean that
+each of its strategies implies. ``inf`` means forbidden: the strategy or the pair is
+excluded, never scaled.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class Scaled:
     offset: float
     unary: list[np.ndarray]
     pairs: dict[tuple[int, int], np.ndarray]
+    charges: list[int] = dataclasses.field(default_factory=list)
 
 
 FORBIDDEN = -1
@@ -70,7 +73,7 @@ FORBIDDEN = -1
 
 def rescale(unary: Sequence[Sequence[float]],
             pairs: dict[tuple[int, int], Sequence[Sequence[float]]] | None = None,
-            units: float = COST_UNITS) -> Scaled:
+            charges: Sequence[float] = (), units: float = COST_UNITS) -> Scaled:
     """Turn float seconds into non-negative integers CP-SAT handles well.
 
     Each group's costs are shifted by their finite minimum (the shifts add up to ``offset``,
@@ -99,6 +102,7 @@ def rescale(unary: Sequence[Sequence[float]],
         shifted.append(arr)
         if finite.any():
             largest = max(largest, float(arr[finite].max()))
+    largest = max([largest, *charges])  # charges (finite, >= 0) scale alike, unshifted
     scale = units / largest if largest > 0 else 1.0
     out = []
     for arr in shifted:
@@ -109,7 +113,8 @@ def rescale(unary: Sequence[Sequence[float]],
         ints[~finite] = FORBIDDEN
         out.append(ints)
     n = len(unary)
-    return Scaled(scale, offset, out[:n], dict(zip(keys, out[n:])))
+    return Scaled(scale, offset, out[:n], dict(zip(keys, out[n:])),
+                  [max(int(round(c * scale)), 1 if c > 0 else 0) for c in charges])
 
 
 @dataclasses.dataclass
@@ -217,6 +222,16 @@ def _build(r: SolverRequest, prob: _Problem, scaled: Scaled, *, with_memory: boo
             obj_coefs.append(1)
             if pick is not None:
                 model.AddHint(cost, max(rows[hu][hv], 0))
+    for (_, members), units in zip(prob.charges, scaled.charges):
+        if not objective or not units:
+            continue
+        paid = model.NewBoolVar("")  # true when any member strategy is chosen
+        for g, k in members:
+            model.AddImplication(x[g][k], paid)
+        obj_vars.append(paid)
+        obj_coefs.append(units)
+        if pick is not None:
+            model.AddHint(paid, any(pick[g] == k for g, k in members))
     if with_memory and r.liveness:
         mem_terms = _memory_terms(r, prob, x)
         if minimize_memory:

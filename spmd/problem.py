@@ -180,7 +180,7 @@ class Problem:
             return INPUT_BYTES_WEIGHT * self.cost.memory_time(
                 bytes_per_device(n.op.out_shapes[0], n.op.out_dtypes[0], s.out_specs[0], self.mesh_shape))
         # Off the critical path XLA combines a kind's collectives into one: each pays its
-        # bandwidth here, the shared latency is a few alphas per plan (``_predict``).
+        # bandwidth here, their shared latency once per plan (``_shared_latency``).
         return (self.cost.compute(s.flops, _dtype(n.op)) if s.flops else 0.0) + \
             sum(self.cost.split(c)[0] if off_path and c.kind in COMBINED_KINDS
                 else self.cost.time(c) for c in s.collectives)
@@ -376,7 +376,26 @@ class Problem:
             node_costs=[c.tolist() for c in costs],
             edges=edge_list, edge_costs=[edges[e] for e in edge_list],  # arrays: no copy
             same_as=list(self.same_as), node_memory=memory, liveness=liveness,
-            memory_budget=memory_budget, warm_start=None, time_limit=time_limit)
+            memory_budget=memory_budget, warm_start=None, time_limit=time_limit,
+            charges=self._shared_latency())
+
+    def _shared_latency(self) -> list[tuple[float, list[tuple[int, int]]]]:
+        """One charge per (kind, mesh axes) of the collectives XLA combines off the critical
+        path: their latency, paid once by the plan if any chosen strategy emits one (node
+        costs carry only their bandwidth, see ``_cost``), as ``_predict`` prices them."""
+        members: dict[tuple[str, tuple[str, ...]], set[tuple[int, int]]] = \
+            collections.defaultdict(set)
+        latency: dict[tuple[str, tuple[str, ...]], float] = {}
+        for node in sorted(self.off_path):
+            root = self.index[self.root[node]]
+            for k, j in enumerate(self.fmap[node].tolist()):
+                for c in self.strats[node][j].collectives:
+                    lat = self.cost.latency(c)
+                    if c.kind in COMBINED_KINDS and lat > 0:
+                        key = (c.kind, self.cost._active(c.axes))
+                        members[key].add((root, k))
+                        latency[key] = lat
+        return [(latency[key], sorted(members[key])) for key in sorted(members)]
 
     def _reshard_time(self, shape, dtype, src: Spec, dst: Spec) -> float:
         return self._reshard(shape, dtype, src, dst)[0]

@@ -76,7 +76,8 @@ def solve(request: SolverRequest) -> SolverResult:
     start = time.perf_counter()
     validate(request)
     prob = _reduce(request)
-    scaled = rescale(prob.unary, prob.pairs)
+    scaled = rescale(prob.unary, prob.pairs, [cost for cost, _ in prob.charges])
+    seeding = prob.amortized()  # the seeds' moves see pairwise costs only
     limit = request.time_limit
     window = max(0.15 * limit, min(2.0, 0.5 * limit))  # seeding, the rest is CP-SAT's
     deadline = start + window
@@ -84,22 +85,22 @@ def solve(request: SolverRequest) -> SolverResult:
     # follows), which no local move reaches: their decoded plan, improved by local moves,
     # is the best start on large meshes, so it runs first (gpt-1.3b on 64 A100s, dp_tp
     # pinned: 77.6 ms against 156 ms from greedy).
-    seeds = [_local_search(prob, deadline=start + 0.5 * window,
-                           start=min_sum_seed(prob, deadline=start + 0.4 * window))]
-    seeds.append(_local_search(prob, deadline=deadline))
+    seeds = [_local_search(seeding, deadline=start + 0.5 * window,
+                           start=min_sum_seed(seeding, deadline=start + 0.4 * window))]
+    seeds.append(_local_search(seeding, deadline=deadline))
     # More starts (local optima differ widely: on a 24-layer GPT the all-first-strategy start,
     # mostly replicated, ended 39% below the greedy one): every group's first, last, and
     # cheapest own strategy, each improved by the same moves while time allows.
     for init in ([0] * len(prob.unary), [len(u) - 1 for u in prob.unary],
-                 [int(np.argmin(u)) for u in prob.unary]):
+                 [int(np.argmin(u)) for u in seeding.unary]):
         if time.perf_counter() > deadline:
             break
-        seeds.append(_local_search(prob, deadline=deadline,
+        seeds.append(_local_search(seeding, deadline=deadline,
                                    start=[init[g] for g in prob.group_of]))
     if request.warm_start is not None:
         seeds.append(list(request.warm_start))
         # The warm start improved (and repaired, where it forbids a pair) by the same moves.
-        seeds.append(_local_search(prob, deadline=max(deadline, time.perf_counter() + 0.5),
+        seeds.append(_local_search(seeding, deadline=max(deadline, time.perf_counter() + 0.5),
                                    start=request.warm_start))
     scored = sorted((evaluate(request, c), i, c) for i, c in enumerate(seeds)
                     if _admissible(request, c))

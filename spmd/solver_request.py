@@ -40,6 +40,9 @@ class SolverRequest:
         memory_budget: bytes per device every liveness set must fit in, or None.
         warm_start: a strategy index per node used as the solver's hint, or None.
         time_limit: seconds the solver may take.
+        charges: (seconds, [(node, strategy), ...]) paid once when any listed strategy is
+            chosen: the latency that independent collectives of one kind over the same mesh
+            axes share once XLA combines them (a cost no single node or edge can carry).
     """
 
     node_names: list[str]
@@ -53,6 +56,7 @@ class SolverRequest:
     memory_budget: float | None = None
     warm_start: list[int] | None = None
     time_limit: float = 30.0
+    charges: list[tuple[float, list[tuple[int, int]]]] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> str:
         """Serialise (``inf`` as the string "inf") so a request can be saved and replayed."""
@@ -62,6 +66,8 @@ class SolverRequest:
     def from_json(cls, text: str) -> "SolverRequest":
         raw = _decode(json.loads(text))
         raw["edges"] = [tuple(e) for e in raw["edges"]]
+        raw["charges"] = [(cost, [tuple(m) for m in members])
+                          for cost, members in raw.get("charges", [])]
         return cls(**raw)
 
 
@@ -162,6 +168,14 @@ def validate(request: SolverRequest) -> None:
         bad = [v for v in live if not 0 <= v < n]
         if bad:
             raise PlanError(f"solver request: liveness set {i} names unknown nodes {bad}")
+    for i, (cost, members) in enumerate(r.charges):
+        if not (math.isfinite(cost) and cost >= 0):
+            raise PlanError(f"solver request: charge {i} costs {cost}; it must be finite and "
+                            f"non-negative")
+        for v, k in members:
+            if not (0 <= v < n and 0 <= k < len(r.strategy_names[v])):
+                raise PlanError(f"solver request: charge {i} names strategy {k} of node {v}, "
+                                f"which does not exist")
     if r.memory_budget is not None and not r.memory_budget > 0:
         raise PlanError(f"solver request: memory_budget must be positive, got {r.memory_budget}")
     if r.warm_start is not None:
@@ -194,7 +208,8 @@ def _representatives(r: SolverRequest) -> list[int]:
 
 
 def evaluate(request: SolverRequest, choice: Sequence[int]) -> float:
-    """Objective (seconds) of an assignment: Σ node costs + Σ edge costs; ``inf`` if forbidden.
+    """Objective (seconds) of an assignment: Σ node costs + Σ edge costs + the charges some
+    chosen strategy incurs; ``inf`` if forbidden.
 
     It does not enforce same_as or memory; see ``memory_peak``.
     """
@@ -202,6 +217,8 @@ def evaluate(request: SolverRequest, choice: Sequence[int]) -> float:
     total = sum(request.node_costs[v][s] for v, s in enumerate(choice))
     total += sum(request.edge_costs[e][choice[u]][choice[v]]
                  for e, (u, v) in enumerate(request.edges))
+    total += sum(cost for cost, members in request.charges
+                 if any(choice[v] == k for v, k in members))
     return float(total)
 
 
@@ -223,11 +240,25 @@ class _Problem:
     group_of: list[int]  # node -> index into groups
     unary: list[np.ndarray]  # per group, seconds per strategy (inf: forbidden)
     pairs: dict[tuple[int, int], np.ndarray]  # (gu, gv), gu < gv -> matrix (inf: forbidden)
+    charges: list[tuple[float, list[tuple[int, int]]]]  # as the request's, (group, strategy)
 
     def total(self, pick: Sequence[int]) -> float:
         """Seconds of one strategy per group (``evaluate`` on the folded problem)."""
         return (sum(float(u[p]) for u, p in zip(self.unary, pick))
-                + sum(float(m[pick[a], pick[b]]) for (a, b), m in self.pairs.items()))
+                + sum(float(m[pick[a], pick[b]]) for (a, b), m in self.pairs.items())
+                + sum(cost for cost, members in self.charges
+                      if any(pick[g] == k for g, k in members)))
+
+    def amortized(self) -> "_Problem":
+        """The same problem with each charge spread evenly over the groups that can incur
+        it, as node costs: what the seeding moves and messages (pairwise only) can see.
+        Exact when all those groups incur it, below it when only some do."""
+        unary = [u.copy() for u in self.unary]
+        for cost, members in self.charges:
+            groups = {g for g, _ in members}
+            for g, k in members:
+                unary[g][k] += cost / len(groups)
+        return _Problem(self.groups, self.group_of, unary, self.pairs, [])
 
 
 def _reduce(r: SolverRequest) -> _Problem:
@@ -254,4 +285,6 @@ def _reduce(r: SolverRequest) -> _Problem:
             if gu > gv:
                 gu, gv, mat = gv, gu, mat.T
             pairs[(gu, gv)] = pairs[(gu, gv)] + mat if (gu, gv) in pairs else mat.copy()
-    return _Problem(groups, group_of, unary, pairs)
+    charges = [(float(cost), sorted({(group_of[v], k) for v, k in members}))
+               for cost, members in r.charges if cost > 0 and members]
+    return _Problem(groups, group_of, unary, pairs, charges)

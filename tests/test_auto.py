@@ -109,6 +109,21 @@ def test_activations_dominate_gives_data_parallel():
     _check_numerics(_sgd_step, args, outs)
 
 
+def test_objective_prices_combined_gradient_all_reduces_as_predicted():
+    """Data parallel: the two weight gradients' all-reduces are independent, XLA combines
+    them and pays one latency (100 us here, the dominant cost). The solver's objective must
+    price that shared latency as the prediction does (it once paid bandwidth only: the
+    objective under the prediction by the latency, so latency-bound plans looked cheap)."""
+    args = _mlp(4096, 16, 16)
+    mesh = make_mesh({"data": 8}, bandwidth=50e9, latency=1e-4, virtual=True)
+    cj = jax.make_jaxpr(_sgd_step)(*args)
+    infos = _infos(args, ["param", "param", "batch", "batch"])
+    res = search(cj, infos, mesh, output_aliases={0: 0, 1: 1})
+    assert res.input_specs[2] == (("data",), ())
+    assert res.prediction.collectives["all-reduce"][0] >= 1
+    assert res.solver.objective == pytest.approx(res.prediction.total_time, rel=1e-3)
+
+
 def test_two_dimensional_mesh_batch_on_data_weights_on_model():
     args, mesh, _, _, res = _sgd_search(4096, 256, 256, {"data": 2, "model": 4},
                                         {"data": 10e9, "model": 300e9})

@@ -296,3 +296,20 @@ def test_min_sum_seed_sees_a_choice_that_pays_off_far_downstream():
     seed = min_sum_seed(prob, deadline)
     assert seed == [1] * n and evaluate(req, seed) == 0.0
     assert solve(req).objective == 0.0
+
+
+def test_a_charge_is_paid_once_however_many_strategies_incur_it():
+    """Two nodes may each emit a collective (strategy 0) whose latency, 1.0, XLA pays once
+    for both, or avoid it for 0.6 each: emitting in both costs 1.0 in all, not 2.0, so it
+    wins over 1.2; emitting in one costs 1.6. The seeds see the charge spread evenly."""
+    req = request([[0.0, 0.6], [0.0, 0.6]])
+    req.charges = [(1.0, [(0, 0), (1, 0)])]
+    assert evaluate(req, [0, 0]) == pytest.approx(1.0)
+    assert evaluate(req, [0, 1]) == pytest.approx(1.6)
+    assert evaluate(req, [1, 1]) == pytest.approx(1.2)
+    res = solve(req)
+    assert res.choice == [0, 0] and res.objective == pytest.approx(1.0)
+    assert SolverRequest.from_json(req.to_json()).charges == [(1.0, [(0, 0), (1, 0)])]
+    req.charges = [(1.0, [(0, 5)])]
+    with pytest.raises(PlanError, match="charge 0 names strategy 5 of node 0"):
+        validate(req)
