@@ -101,12 +101,11 @@ class Plan:
 
     def attach_measured(self, report) -> None:
         """Record what the compiled program did (a spmd.analyze Report) beside the prediction."""
-        full = report.to_dict()
         comm, unpriced = report.comm_time(self.mesh)
         self.measured = {
-            "collectives": {k: [v["count"], v["bytes"]] for k, v in full["collectives"].items()},
-            "memory": full["memory"], "flops": full["flops"],
-            "comm_time": comm, "unpriced_collectives": unpriced}
+            "collectives": {k: [c, b] for k, (c, b) in report.collectives.items()},
+            "memory": None if report.memory is None else dataclasses.asdict(report.memory),
+            "flops": report.flops, "comm_time": comm, "unpriced_collectives": unpriced}
 
     # -- explanation ---------------------------------------------------------------------------
     def describe(self, max_rows: int | None = 60) -> str:
