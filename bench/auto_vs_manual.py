@@ -256,8 +256,20 @@ def _splits(entry: dict[str, Any], case: dict[str, Any]) -> bool:
     return entry["total_collective_bytes"] > 0 or case.get("devices", 1) <= 1
 
 
+#: what each criterion checks (stored with every run)
+CRITERIA = {"A": "auto predicted time <= best hand-written predicted time",
+             "B": f"auto HLO bytes <= {BYTES_SLACK} x the fewest of the hand-written "
+                  f"plans whose arg+temp memory is no more than auto's",
+             "B_strict": f"auto HLO bytes <= {BYTES_SLACK} x fewest hand-written HLO "
+                         f"bytes, auto arg+temp memory <= {MEMORY_SLACK} x that plan's",
+             "B_comm": f"auto HLO collectives priced by the cost model <= "
+                       f"{BYTES_SLACK} x the least of the hand-written plans whose "
+                       f"arg+temp memory is no more than auto's",
+             "C": f"|predicted / HLO bytes - 1| <= {PRED_TOLERANCE}"}
+
+
 def summarize(case: dict[str, Any]) -> dict[str, Any]:
-    """The table row and the three acceptance criteria for one finished case."""
+    """The table row and the acceptance criteria (``CRITERIA``) for one finished case."""
     s: dict[str, Any] = {}
     pred = case["prediction"]
     s["auto_pred_s"] = pred["total_time"]
@@ -317,6 +329,20 @@ def summarize(case: dict[str, Any]) -> dict[str, Any]:
         _, mb, mpeak = s["best_manual_hlo"]
         s["B_strict"] = hb <= BYTES_SLACK * mb and (
             s["auto_peak"] is None or mpeak is None or s["auto_peak"] <= MEMORY_SLACK * mpeak)
+    # B comm: the same comparison with each compiled program's collectives priced by the
+    # cost model (``Report.comm_time``) instead of counted in bytes. On a two-level mesh a
+    # plan can move more bytes over NVLink to move fewer over InfiniBand; bytes count that
+    # against it, time does not.
+    auto_comm = s["auto_hlo_comm_s"]
+    if auto_comm is None or not priced:
+        s["B_comm"] = None
+    else:
+        s["comm_dominated_by"] = sorted(
+            k for k, t in priced.items()
+            if auto_comm > BYTES_SLACK * t
+            and (s["auto_peak"] is None or _mem(compiled[k]) is None
+                 or _mem(compiled[k]) <= s["auto_peak"]))
+        s["B_comm"] = not s["comm_dominated_by"]
     # C: predicted vs measured bytes
     s["C"] = abs(s["pred_over_hlo"] - 1.0) <= PRED_TOLERANCE
     return s
@@ -376,7 +402,8 @@ def render(data: dict[str, Any]) -> str:
     headers = ["model", "mesh", "auto pred ms", "best manual pred ms (name)", "auto HLO MiB",
                "best manual HLO MiB (name)", "ratio", "auto mem MiB", "manual mem MiB",
                "pred/HLO bytes", "auto HLO comm ms", "least manual HLO comm ms (name)",
-               "search s", "plan s", "A pred", "B bytes", "C model", "B strict", "dominated by"]
+               "search s", "plan s", "A pred", "B bytes", "C model", "B strict", "B comm",
+               "dominated by"]
     rows, failures, notes = [], [], []
     for case in data["cases"]:
         if "error" in case:
@@ -400,7 +427,8 @@ def render(data: dict[str, Any]) -> str:
             f"{s['best_manual_hlo_comm'][1] * 1e3:.3f} ({s['best_manual_hlo_comm'][0]})",
             f"{case['search'].get('search_seconds', 0):.1f}",
             f"{case['plan_s']:.1f}", _mark(s["A"]), _mark(s["B"]), _mark(s["C"]),
-            _mark(s.get("B_strict")), ", ".join(s.get("dominated_by") or []),
+            _mark(s.get("B_strict")), _mark(s.get("B_comm")),
+            ", ".join(s.get("dominated_by") or []),
         ])
         if s.get("replicated_manual"):
             notes.append(f"- {case['model']} on {case['mesh']}: left out of the bytes "
@@ -425,9 +453,9 @@ def render(data: dict[str, Any]) -> str:
     ok = [c for c in data["cases"] if "error" not in c]
     counts = {k: (sum(1 for c in ok if c["summary"].get(k)),
                   sum(1 for c in ok if c["summary"].get(k) is not None))
-              for k in ("A", "B", "C", "B_strict")}
+              for k in ("A", "B", "C", "B_strict", "B_comm")}
     commands = data["command"] if isinstance(data["command"], list) else [data["command"]]
-    align = ["l", "l", "r", "l", "r", "l"] + ["r"] * 5 + ["l"] + ["r"] * 6 + ["l"]
+    align = ["l", "l", "r", "l", "r", "l"] + ["r"] * 5 + ["l"] + ["r"] * 7 + ["l"]
     lines = [
         "Command: " + "; then ".join(f"`{c}`" for c in commands)
         + (" (each later run's cases added with `--append`)" if len(commands) > 1 else ""),
@@ -466,9 +494,12 @@ def render(data: dict[str, Any]) -> str:
         "stricter reading: auto HLO bytes <= 1.05 x the fewest of any hand-written plan *and* "
         "memory <= that plan's (+1%), whatever its speed (it fails wherever auto's plan "
         "trades memory or bytes for predicted time, e.g. replicating a tiny model on 16 GPUs). "
+        "B comm, B with time for bytes: auto's HLO comm ms <= 1.05 x the least of the "
+        "hand-written plans needing no more memory (bytes over NVLink and over InfiniBand "
+        "are not worth the same). "
         f"Passed: A {counts['A'][0]}/{counts['A'][1]}, B {counts['B'][0]}/{counts['B'][1]}, "
         f"C {counts['C'][0]}/{counts['C'][1]}; B strict {counts['B_strict'][0]}/"
-        f"{counts['B_strict'][1]}"
+        f"{counts['B_strict'][1]}; B comm {counts['B_comm'][0]}/{counts['B_comm'][1]}"
         + (f"; {len(failures)} case(s) failed to run" if failures else "") + "."
         + ("" if data.get("complete", True) else
            f" **Partial run: {len(data['cases'])} of {data.get('planned_cases', '?')} cases.**"),
@@ -547,6 +578,7 @@ def main(argv: list[str] | None = None) -> int:
         for case in data["cases"]:
             if "error" not in case:
                 case["summary"] = summarize(case)
+        data["criteria"] = CRITERIA
         out, md = common.outputs(args, "auto_vs_manual", default_json=args.rerender)
         common.write_json(data, out)
         if md is not None:
@@ -571,12 +603,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": common.utc_date(),
         "time_limit": args.time_limit,
         "steps": args.steps,
-        "criteria": {"A": "auto predicted time <= best hand-written predicted time",
-                     "B": f"auto HLO bytes <= {BYTES_SLACK} x the fewest of the hand-written "
-                          f"plans whose arg+temp memory is no more than auto's",
-                     "B_strict": f"auto HLO bytes <= {BYTES_SLACK} x fewest hand-written HLO "
-                                 f"bytes, auto arg+temp memory <= {MEMORY_SLACK} x that plan's",
-                     "C": f"|predicted / HLO bytes - 1| <= {PRED_TOLERANCE}"},
+        "criteria": CRITERIA,
         "planned_cases": len(model_names) * len(mesh_names),
         "cases": [],
     }
