@@ -11,10 +11,9 @@ A request saved with ``to_json`` replays with ``SolverRequest.from_json`` to deb
 CP-SAT (2 workers) starts from a complete hint: the best of ``warm_start`` and a fast local
 search (spanning-tree dynamic programs, coordinate descent) run from several starts (the plan
 decoded from min-sum messages, greedy, every group's first / last / cheapest strategy, the
-warm start). It stops once no plan better
-by ``STALL_GAIN`` came for a short window; models over ``LIGHT_PRESOLVE_LIMIT`` variables get
-one presolve round. On large models (> ``PRESOLVE_LIMIT``
-variables) presolve is skipped, as on 2 cores it alone outlasts a limit of seconds. Measured
+warm start). It stops once no plan better by ``STALL_GAIN`` came for a short window; models
+over ``LIGHT_PRESOLVE_LIMIT`` variables get one presolve round. On large models (>
+``PRESOLVE_LIMIT`` variables) presolve is skipped, as on 2 cores it alone outlasts a limit of seconds. Measured
 on 2 cores: a planner-like 2,000-node / 3,000-edge request (4-30 strategies) returns a
 feasible plan in ~10 s with a 10 s limit, ~13% above the proven bound; the LP bound, not the
 plan, is what stays loose (see tests/test_solver.py).
@@ -62,9 +61,11 @@ __all__ = [
 def solve(request: SolverRequest) -> SolverResult:
     """Pick one strategy per node minimizing Σ node + edge costs under the memory budget.
 
-    A fast local search (greedy, then spanning-tree dynamic programs and coordinate descent;
-    also run from ``warm_start``) seeds CP-SAT's hint together with ``warm_start``, whichever
-    is better, and is the fallback when CP-SAT finds nothing in the time limit.
+    A fast local search (spanning-tree dynamic programs and coordinate descent, from the
+    min-sum plan, greedy, uniform starts and ``warm_start``) seeds CP-SAT's hint together
+    with ``warm_start``, whichever is better, and is the fallback when CP-SAT finds nothing
+    in the time limit. Charges are exact in CP-SAT and in the seeds' ranking; the moves see
+    each spread over the groups that can incur it (``_Problem.amortized``).
 
     Raises:
         PlanError: the request is inconsistent, or no solution was found in the time limit.
