@@ -268,6 +268,16 @@ CRITERIA = {"A": "auto predicted time <= best hand-written predicted time",
              "C": f"|predicted / HLO bytes - 1| <= {PRED_TOLERANCE}"}
 
 
+def _dominated(auto_value: float, manual_values: dict[str, float],
+               compiled: dict[str, Any], auto_peak: float | None) -> list[str]:
+    """Hand-written plans that beat auto on both: a measure (bytes or priced communication)
+    below auto's beyond the 5% slack, at no more memory than auto needs."""
+    return sorted(
+        k for k, value in manual_values.items()
+        if auto_value > BYTES_SLACK * value
+        and (auto_peak is None or _mem(compiled[k]) is None or _mem(compiled[k]) <= auto_peak))
+
+
 def summarize(case: dict[str, Any]) -> dict[str, Any]:
     """The table row and the acceptance criteria (``CRITERIA``) for one finished case."""
     s: dict[str, Any] = {}
@@ -319,10 +329,9 @@ def summarize(case: dict[str, Any]) -> dict[str, Any]:
     if s["best_manual_hlo"] is None:
         s["B"] = s["B_strict"] = None
     else:
-        s["dominated_by"] = sorted(
-            k for k, v in compiled.items()
-            if hb > BYTES_SLACK * v["total_collective_bytes"]
-            and (s["auto_peak"] is None or _mem(v) is None or _mem(v) <= s["auto_peak"]))
+        s["dominated_by"] = _dominated(
+            hb, {k: v["total_collective_bytes"] for k, v in compiled.items()}, compiled,
+            s["auto_peak"])
         s["B"] = not s["dominated_by"]
         # Stricter: against the fewest-bytes hand-written plan whatever its memory, auto
         # must match its bytes *and* its memory (fails wherever auto trades one for speed).
@@ -337,11 +346,7 @@ def summarize(case: dict[str, Any]) -> dict[str, Any]:
     if auto_comm is None or not priced:
         s["B_comm"] = None
     else:
-        s["comm_dominated_by"] = sorted(
-            k for k, t in priced.items()
-            if auto_comm > BYTES_SLACK * t
-            and (s["auto_peak"] is None or _mem(compiled[k]) is None
-                 or _mem(compiled[k]) <= s["auto_peak"]))
+        s["comm_dominated_by"] = _dominated(auto_comm, priced, compiled, s["auto_peak"])
         s["B_comm"] = not s["comm_dominated_by"]
     # C: predicted vs measured bytes
     s["C"] = abs(s["pred_over_hlo"] - 1.0) <= PRED_TOLERANCE

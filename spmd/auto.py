@@ -20,7 +20,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from spmd import rules as _rules
-from spmd.cost import COLLECTIVE_KINDS, COMBINED_KINDS, Collective, CostModel
+from spmd.cost import COLLECTIVE_KINDS, Collective, CostModel
 from spmd.graph import Graph, Value, build_graph, operand_key, value_key
 from spmd.mesh import DeviceMesh
 from spmd.problem import InputInfo, Problem, _dtype, _nbytes
@@ -145,11 +145,11 @@ def _predict(p: Problem, root_choice: list[int]) -> tuple[Prediction, dict[str, 
     summary = {k: [0, 0.0] for k in COLLECTIVE_KINDS}
     merged = set()  # count what XLA emits: one collective per combined (kind, axes)
     for i, c in enumerate(colls + combined):
-        key = (c.kind, cost._active(c.axes))
+        key = cost.combine_key(c) if i >= len(colls) else None
         row = summary.setdefault(c.kind, [0, 0.0])
-        if i < len(colls) or c.kind not in COMBINED_KINDS or key not in merged:
+        if key is None or key not in merged:
             row[0] += 1
-        if i >= len(colls) and c.kind in COMBINED_KINDS:
+        if key is not None:
             merged.add(key)
         row[1] += c.bytes
     summary = {k: (c, b) for k, (c, b) in summary.items()}

@@ -171,6 +171,11 @@ class CostModel:
         lat = self.latency(c)
         return self.time(c) - lat, lat
 
+    def combine_key(self, c: Collective) -> tuple[str, tuple[str, ...]] | None:
+        """The group XLA merges ``c`` into when it is independent of others of its group
+        (one latency per group), or None for a kind that is never combined."""
+        return (c.kind, self._active(c.axes)) if c.kind in COMBINED_KINDS else None
+
     def combined(self, colls: Sequence[Collective]) -> tuple[float, int]:
         """Seconds and number of collectives after XLA combines ``colls``, all independent
         of one another: those of a kind in ``COMBINED_KINDS`` pay their bandwidth each and one
@@ -184,13 +189,13 @@ class CostModel:
         """
         total, keys, alone = 0.0, {}, 0
         for c in colls:
-            if c.kind not in COMBINED_KINDS:
+            key = self.combine_key(c)
+            if key is None:
                 total += self.time(c)
                 alone += 1
                 continue
             bw, lat = self.split(c)
             total += bw
-            key = (c.kind, self._active(c.axes))
             keys[key] = max(keys.get(key, 0.0), lat)
         return total + sum(keys.values()), alone + len(keys)
 

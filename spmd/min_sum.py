@@ -44,36 +44,28 @@ def min_sum_seed(prob: _Problem, deadline: float) -> list[int]:
         return np.where(np.isfinite(cost), cost, penalty)
 
     unary = [bounded(u) for u in prob.unary]
-    adj: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(n)]
+    # adj[u][k] = (v, cost matrix u x v, index of u in adj[v]): where u's message to v lands
+    # in v's inbox; inbox[v][k] is the message to v from its k-th neighbour.
+    adj: list[list[tuple[int, np.ndarray, int]]] = [[] for _ in range(n)]
     for (gu, gv), mat in prob.pairs.items():
         mat = bounded(mat)
-        adj[gu].append((gv, mat))
-        adj[gv].append((gu, mat.T))
-    # inbox[v][k]: the message to v from its k-th neighbour; slot[u][k]: where u's message
-    # to its k-th neighbour lands in that neighbour's inbox.
+        ku, kv = len(adj[gu]), len(adj[gv])
+        adj[gu].append((gv, mat, kv))
+        adj[gv].append((gu, mat.T, ku))
     inbox = [[np.zeros(len(unary[v])) for _ in adj[v]] for v in range(n)]
-    slot = [[0] * len(adj[u]) for u in range(n)]
-    position: dict[tuple[int, int], int] = {}
-    for v in range(n):
-        for k, (u, _) in enumerate(adj[v]):
-            position[(u, v)] = k
-    for u in range(n):
-        for k, (v, _) in enumerate(adj[u]):
-            slot[u][k] = position[(u, v)]
 
     def send(u: int) -> None:
         belief = unary[u] + sum(inbox[u])
-        for k, (v, mat) in enumerate(adj[u]):
+        for k, (v, mat, j) in enumerate(adj[u]):
             update = np.min((belief - inbox[u][k])[:, None] + mat, axis=0)
             update -= update.min()
-            j = slot[u][k]
             inbox[v][j] = DAMPING * inbox[v][j] + (1 - DAMPING) * update
 
     def decode() -> list[int]:
         pick = [-1] * n
         for u in range(n):
             cost = unary[u].copy()
-            for k, (v, mat) in enumerate(adj[u]):
+            for k, (v, mat, _) in enumerate(adj[u]):
                 cost += mat[:, pick[v]] if pick[v] >= 0 else inbox[u][k]
             pick[u] = int(np.argmin(cost))
         return pick

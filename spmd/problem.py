@@ -49,7 +49,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from spmd import rules as _rules
-from spmd.cost import COMBINED_KINDS, CostModel
+from spmd.cost import CostModel
 from spmd.errors import PlanError
 from spmd.graph import Graph, Value
 from spmd.mesh import DeviceMesh
@@ -182,7 +182,7 @@ class Problem:
         # Off the critical path XLA combines a kind's collectives into one: each pays its
         # bandwidth here, their shared latency once per plan (``_shared_latency``).
         return (self.cost.compute(s.flops, _dtype(n.op)) if s.flops else 0.0) + \
-            sum(self.cost.split(c)[0] if off_path and c.kind in COMBINED_KINDS
+            sum(self.cost.split(c)[0] if off_path and self.cost.combine_key(c)
                 else self.cost.time(c) for c in s.collectives)
 
     # -- followers -----------------------------------------------------------------------
@@ -390,9 +390,8 @@ class Problem:
             root = self.index[self.root[node]]
             for k, j in enumerate(self.fmap[node].tolist()):
                 for c in self.strats[node][j].collectives:
-                    lat = self.cost.latency(c)
-                    if c.kind in COMBINED_KINDS and lat > 0:
-                        key = (c.kind, self.cost._active(c.axes))
+                    key, lat = self.cost.combine_key(c), self.cost.latency(c)
+                    if key is not None and lat > 0:
                         members[key].add((root, k))
                         latency[key] = lat
         return [(latency[key], sorted(members[key])) for key in sorted(members)]
