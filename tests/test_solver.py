@@ -138,6 +138,25 @@ def test_memory_budget_forces_smaller_strategy():
     assert solve(req).choice == [0, 0]
 
 
+def test_only_liveness_sets_that_can_exceed_the_budget_become_constraints():
+    from spmd.cpsat import _build
+    from spmd.solver_request import _reduce
+
+    # set {0, 1} fits 10e9 even at its largest (8e9 + 1e9): no terms; set {1, 2} can
+    # exceed it (1e9 + 16e9) and must push node 2 to its small strategy.
+    mem = [[8e9, 8e9], [1e9, 1e9], [16e9, 2e9]]
+    req = request([[0.0, 1.0], [0.0, 1.0], [0.0, 1.0]], [(0, 1), (1, 2)], [SWAP, SWAP],
+                  node_memory=mem, liveness=[[0, 1], [1, 2]], memory_budget=10e9)
+    prob = _reduce(req)
+    scaled = rescale(prob.unary, prob.pairs, [])
+    built = _build(req, prob, scaled, with_memory=True, objective=True)
+    unbounded = _build(req, prob, scaled, with_memory=False, objective=True)
+    assert built.num_constraints == unbounded.num_constraints + 1
+    res = solve(req)
+    assert res.choice[2] == 1 and memory_peak(req, res.choice) <= 10e9
+    assert res.objective == pytest.approx(brute_force(req)[0])
+
+
 def test_infeasible_memory_states_the_minimum():
     mem = [[8e9, 1e9], [8e9, 3e9], [4e9, 2e9]]
     req = request([[0.0, 1.0]] * 3, [(0, 1), (1, 2)], [SWAP, SWAP], node_memory=mem,
