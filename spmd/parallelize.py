@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Callable, Sequence
+import gc
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 from flax import nnx
@@ -49,8 +51,14 @@ def plan(step_fn: Callable, *example_args: Any, mesh: DeviceMesh, method: str = 
     ['P()', "P('data',)"]
     """
     _check_method(method)
-    sig = StepSignature(step_fn, example_args, logical_axes=logical_axes,
-                        batch_argnums=batch_argnums)
+    with _old_heap_frozen():
+        sig = StepSignature(step_fn, example_args, logical_axes=logical_axes,
+                            batch_argnums=batch_argnums)
+        return _plan(sig, mesh, method, options)
+
+
+def _plan(sig: StepSignature, mesh: DeviceMesh, method: str,
+          options: SearchOptions | None) -> Plan:
     if method == "auto":
         return auto_plan(sig, mesh, options or SearchOptions())
     input_specs = manual_specs(sig.leaves, method, mesh)
@@ -59,6 +67,23 @@ def plan(step_fn: Callable, *example_args: Any, mesh: DeviceMesh, method: str = 
     if options is not None and options.compare:  # scoring costs a solve: only when asked
         result.prediction = score_manual(sig, mesh, method, options).prediction.to_dict()
     return result
+
+
+@contextlib.contextmanager
+def _old_heap_frozen() -> Iterator[None]:
+    """Planning allocates a traced step and its graph (10^5 objects at 24 layers) on top of
+    jax's and flax's own heap; Python's cyclic collector rescanning that old heap took 1.5 s
+    of a 9 s 24-layer plan on 2 cores. What exists before planning is moved out of its sight
+    meanwhile (``gc.freeze``); new garbage is collected as usual. A heap the caller froze is
+    left as it is."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _check_method(method: str) -> None:

@@ -136,3 +136,25 @@ def test_auto_never_returns_a_plan_predicted_slower_than_a_hand_written_one(monk
     assert plan.prediction["total_time"] == plan.alternatives[kept]["total_time"]
     assert plan.input_specs == spmd.plan(_step, *_args(), mesh=mesh, method=kept,
                                          logical_axes=LOGICAL).input_specs
+
+
+def test_planning_hides_the_old_heap_from_the_collector_and_restores_it():
+    import gc
+
+    seen = []
+
+    def step(params, batch):
+        seen.append(gc.get_freeze_count())
+        return _step(params, batch)
+
+    mesh = spmd.make_mesh({"data": 2}, virtual=True)
+    assert gc.get_freeze_count() == 0
+    spmd.plan(step, *_args(), mesh=mesh, method="dp")
+    assert seen[-1] > 0 and gc.get_freeze_count() == 0
+    gc.freeze()  # a caller's own frozen heap stays frozen
+    try:
+        frozen = gc.get_freeze_count()
+        spmd.plan(step, *_args(), mesh=mesh, method="dp")
+        assert gc.get_freeze_count() >= frozen
+    finally:
+        gc.unfreeze()
