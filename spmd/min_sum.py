@@ -1,39 +1,57 @@
-"""Loopy min-sum belief propagation over the group graph: a seed that sees the whole graph.
+"""Min-sum diffusion over the group graph: a lower bound on every plan, and a seed that sees
+the whole graph.
 
 The local search moves one group, one edge or one spanning tree at a time; a choice that
 only pays off many groups downstream is out of its reach. On gpt-1.3b (4 layers, 64 A100s,
 dp_tp pinned) the token embedding's gather splits its output over the batch or over the
 sequence at the same cost; greedy took the sequence, every attention block then resharded,
-and no move could undo it (32.6 ms). Messages carry each group's cost of a choice from the
-far end of the graph back to the gather, whose decoded choice is the batch split (19.2 ms
-after the local search). Alpa solves the same problem exactly with an ILP; here it seeds
-CP-SAT, which on 2 cores and a limit of seconds barely moves a plan of thousands of groups.
+and no move could undo it (32.6 ms). Diffusion carries each group's cost of a choice from the
+far end of the graph back to the gather, whose decoded choice is the batch split (19.2 ms).
+
+Diffusion (Schlesinger's; Kolmogorov's TRW-S is its sequential cousin) reparametrizes the
+costs: each group in turn moves cost between itself and its edges so that its own cost and
+each edge's cheapest entry per strategy agree. Every plan keeps its total, while the sum of
+each group's and each edge's cheapest entry, a lower bound on every plan, never decreases.
+That bound is the dual of the LP relaxation CP-SAT starts from, but reached in a fraction
+of a second: on a 24-layer GPT it proves the seed within 0.04% of optimal, where CP-SAT on
+2 cores reports a bound far below. Alpa solves the same problem exactly with an ILP; here it
+seeds CP-SAT, and decides whether CP-SAT is worth running at all.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
 
 from spmd.solver_request import _Problem
 
-#: forward-and-backward sweeps at most; the decoded plan usually settles in a few
-SWEEPS = 12
-#: sweeps without a better decoded plan before stopping
+#: decode a plan (and read the bound) every this many forward-and-backward sweeps
+CHECK_EVERY = 5
+#: checks without a better plan nor a bound higher by a relative ``STILL`` before stopping
 PATIENCE = 3
-#: new message = DAMPING * old + (1 - DAMPING) * update: damps oscillation on cycles
-DAMPING = 0.5
+STILL = 1e-6
 
 
-def min_sum_seed(prob: _Problem, deadline: float) -> list[int]:
-    """One strategy per node: the best plan decoded from min-sum messages.
+@dataclasses.dataclass
+class Diffused:
+    """What the sweeps found: the best decoded plan and a lower bound on every plan."""
 
-    Forbidden (``inf``) costs become a finite penalty far above every real cost, so messages
-    stay finite; the decoded plan avoids them wherever its neighbours allow. Messages are
-    swept forward then backward in group order (program order: a chain converges in one
-    sweep); after each sweep a plan is decoded group by group, each taking its best reply to
-    the groups already decoded plus the messages of the rest, and the best plan is kept.
+    choice: list[int]  # one strategy per node
+    bound: float  # seconds; <= the cost of every assignment of ``prob``
+    sweeps: int
+
+
+def min_sum_seed(prob: _Problem, deadline: float, gap: float = 0.0) -> Diffused:
+    """Diffuse until ``deadline``, until a decoded plan is within ``gap`` (relative) of the
+    bound, or until neither improves; return the best decoded plan and the bound.
+
+    The bound holds for ``prob`` as given (pairwise costs and node costs; a request's charges
+    enter as ``_Problem.amortized`` spreads them, which never exceeds what they cost, and the
+    memory budget is left out, which only lowers it): so it bounds the request too.
+    Forbidden (``inf``) costs become a finite penalty far above every real cost, which only
+    lowers the bound; decoded plans avoid them wherever their neighbours allow.
     """
     n = len(prob.groups)
     finite = [c[np.isfinite(c)] for c in (*prob.unary, *prob.pairs.values())]
@@ -41,46 +59,60 @@ def min_sum_seed(prob: _Problem, deadline: float) -> list[int]:
     penalty = 1e3 * max(scale, 1e-12) * max(n, 1)
 
     def bounded(cost: np.ndarray) -> np.ndarray:
-        return np.where(np.isfinite(cost), cost, penalty)
+        return np.where(np.isfinite(cost), cost, penalty).astype(float)
 
-    unary = [bounded(u) for u in prob.unary]
-    # adj[u][k] = (v, cost matrix u x v, index of u in adj[v]): where u's message to v lands
-    # in v's inbox; inbox[v][k] is the message to v from its k-th neighbour.
-    adj: list[list[tuple[int, np.ndarray, int]]] = [[] for _ in range(n)]
-    for (gu, gv), mat in prob.pairs.items():
-        mat = bounded(mat)
-        ku, kv = len(adj[gu]), len(adj[gv])
-        adj[gu].append((gv, mat, kv))
-        adj[gv].append((gu, mat.T, ku))
-    inbox = [[np.zeros(len(unary[v])) for _ in adj[v]] for v in range(n)]
+    # The reparametrized costs, updated in place: own[u] per strategy of u, pair[e] an edge's
+    # matrix; sides[u] holds (edge, view) with u's strategies on the view's rows (the
+    # matrix or its transpose, both writing to the same array).
+    own = [bounded(u) for u in prob.unary]
+    pair = [bounded(m) for m in prob.pairs.values()]
+    sides: list[list[tuple[int, int, np.ndarray]]] = [[] for _ in range(n)]
+    for e, (gu, gv) in enumerate(prob.pairs):
+        sides[gu].append((e, gv, pair[e]))
+        sides[gv].append((e, gu, pair[e].T))
 
-    def send(u: int) -> None:
-        belief = unary[u] + sum(inbox[u])
-        for k, (v, mat, j) in enumerate(adj[u]):
-            update = np.min((belief - inbox[u][k])[:, None] + mat, axis=0)
-            update -= update.min()
-            inbox[v][j] = DAMPING * inbox[v][j] + (1 - DAMPING) * update
+    def diffuse(u: int) -> None:
+        if not sides[u]:
+            return
+        cheapest = [view.min(axis=1) for _, _, view in sides[u]]
+        share = (own[u] + sum(cheapest)) / (len(sides[u]) + 1)
+        for (_, _, view), low in zip(sides[u], cheapest):
+            view -= (low - share)[:, None]
+        own[u] = share
+
+    def bound() -> float:
+        return float(sum(c.min() for c in own) + sum(m.min() for m in pair))
 
     def decode() -> list[int]:
+        """Each group in turn: its best reply to the groups already decoded, with the
+        cheapest entry of each edge to the rest."""
         pick = [-1] * n
         for u in range(n):
-            cost = unary[u].copy()
-            for k, (v, mat, _) in enumerate(adj[u]):
-                cost += mat[:, pick[v]] if pick[v] >= 0 else inbox[u][k]
+            cost = own[u].copy()
+            for _, v, view in sides[u]:
+                cost += view[:, pick[v]] if pick[v] >= 0 else view.min(axis=1)
             pick[u] = int(np.argmin(cost))
         return pick
 
-    best, best_value, idle = decode(), np.inf, 0
-    for _ in range(SWEEPS):
-        for order in (range(n), range(n - 1, -1, -1)):
-            for u in order:
-                send(u)
+    best, best_value = decode(), np.inf
+    low, sweeps, idle = bound(), 0, 0
+    while True:
         pick = decode()
         value = prob.total(pick)
-        if value < best_value * (1 - 1e-9):
-            best, best_value, idle = pick, value, 0
-        else:
-            idle += 1
-        if idle >= PATIENCE or time.perf_counter() > deadline:
+        improved = value < best_value * (1 - 1e-9)
+        if improved:
+            best, best_value = pick, value
+        if best_value - low <= gap * abs(best_value) or time.perf_counter() > deadline:
             break
-    return [best[g] for g in prob.group_of]
+        for _ in range(CHECK_EVERY):
+            for u in range(n):
+                diffuse(u)
+            for u in range(n - 1, -1, -1):
+                diffuse(u)
+        sweeps += CHECK_EVERY
+        now = bound()
+        idle = 0 if improved or now > low + STILL * abs(low) else idle + 1
+        low = max(low, now)
+        if idle >= PATIENCE:
+            break
+    return Diffused([best[g] for g in prob.group_of], min(low, best_value), sweeps)

@@ -164,7 +164,8 @@ def auto_plan(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions) -> P
     if solver is not None:
         # stalled: stopped early with no better plan coming (not a time-out: no warning)
         stats.update(objective=solver.objective, bound=solver.bound, status=solver.status,
-                     timed_out=solver.timed_out, stalled=solver.stalled)
+                     bound_from=solver.bound_from, timed_out=solver.timed_out,
+                     stalled=solver.stalled)
     stats["fallbacks"] = result.fallbacks
     stats["warm_start_from"] = best[0] if best else None
     stats["kept_hand_written"] = best[0] if kept_manual else None

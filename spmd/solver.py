@@ -8,15 +8,17 @@ edge at fault), ``evaluate`` and ``memory_peak`` (score any assignment, e.g. a h
 plan, with the same numbers) and ``rescale`` (float seconds to the integers CP-SAT needs).
 A request saved with ``to_json`` replays with ``SolverRequest.from_json`` to debug.
 
-CP-SAT (2 workers) starts from a complete hint: the best of ``warm_start`` and a fast local
-search (spanning-tree dynamic programs, coordinate descent) run from several starts (the plan
-decoded from min-sum messages, greedy, every group's first / last / cheapest strategy, the
-warm start). It stops once no plan better by ``STALL_GAIN`` came for a short window; models
-over ``LIGHT_PRESOLVE_LIMIT`` variables get one presolve round. On large models (>
-``PRESOLVE_LIMIT`` variables) presolve is skipped, as on 2 cores it alone outlasts a limit of seconds. Measured
-on 2 cores: a planner-like 2,000-node / 3,000-edge request (4-30 strategies) returns a
-feasible plan in ~10 s with a 10 s limit, ~13% above the proven bound; the LP bound, not the
-plan, is what stays loose (see tests/test_solver.py).
+Min-sum diffusion (``spmd.min_sum``) runs first: it decodes a plan that sees costs paid far
+downstream, and proves a lower bound on every plan (the dual of the LP relaxation). A fast
+local search (spanning-tree dynamic programs, coordinate descent) improves it and other
+starts (greedy, every group's first / last / cheapest strategy, the warm start). A seed
+within ``GAP`` of the bound is returned as it is: CP-SAT could only confirm it. Otherwise
+CP-SAT (2 workers) starts from the best seed as a complete hint and stops once no plan
+better by ``STALL_GAIN`` came for a short window; models over ``LIGHT_PRESOLVE_LIMIT``
+variables get one presolve round, and over ``PRESOLVE_LIMIT`` none, as on 2 cores presolve
+alone outlasts a limit of seconds. Measured on 2 cores: a planner-like 2,000-node /
+3,000-edge request (4-30 strategies) returns in ~8 s with a 10 s limit, 2% above the bound
+(CP-SAT's own LP bound left it 13% below); a 24-layer GPT's request in ~2 s, 0.04% above it.
 
 This module is the entry point: ``solve`` (seeding, running CP-SAT, explaining an infeasible
 request) and every name above. The request and result types with ``validate``, ``evaluate``
@@ -57,15 +59,20 @@ __all__ = [
 
 # -- solve -----------------------------------------------------------------------------------
 
+#: CP-SAT is skipped once a seed is proven within this (relative) gap of every plan's lower
+#: bound: on 2 cores it then only spends its seconds confirming the seed.
+GAP = 1e-3
+
 
 def solve(request: SolverRequest) -> SolverResult:
     """Pick one strategy per node minimizing Σ node + edge costs under the memory budget.
 
-    A fast local search (spanning-tree dynamic programs and coordinate descent, from the
-    min-sum plan, greedy, uniform starts and ``warm_start``) seeds CP-SAT's hint together
-    with ``warm_start``, whichever is better, and is the fallback when CP-SAT finds nothing
-    in the time limit. Charges are exact in CP-SAT and in the seeds' ranking; the moves see
-    each spread over the groups that can incur it (``_Problem.amortized``).
+    The best seed (the diffused plan, greedy, uniform starts and ``warm_start``, each improved
+    by local moves) is returned when within ``GAP`` of the diffusion bound; else it is
+    CP-SAT's hint, and the fallback when CP-SAT finds nothing in the time limit. The bound
+    reported is the better of diffusion's and CP-SAT's. Charges are exact in CP-SAT and in
+    the seeds' ranking; diffusion and the moves see each spread over the groups that can
+    incur it (``_Problem.amortized``), which only lowers the bound.
 
     Raises:
         PlanError: the request is inconsistent, or no solution was found in the time limit.
@@ -82,30 +89,48 @@ def solve(request: SolverRequest) -> SolverResult:
     limit = request.time_limit
     window = max(0.15 * limit, min(2.0, 0.5 * limit))  # seeding, the rest is CP-SAT's
     deadline = start + window
-    # Messages see costs that only pay off far downstream (a split the whole network
-    # follows), which no local move reaches: their decoded plan, improved by local moves,
-    # is the best start on large meshes, so it runs first (gpt-1.3b on 64 A100s, dp_tp
-    # pinned: 77.6 ms against 156 ms from greedy).
-    seeds = [_local_search(seeding, deadline=start + 0.5 * window,
-                           start=min_sum_seed(seeding, deadline=start + 0.4 * window))]
-    seeds.append(_local_search(seeding, deadline=deadline))
-    # More starts (local optima differ widely: on a 24-layer GPT the all-first-strategy start,
-    # mostly replicated, ended 39% below the greedy one): every group's first, last, and
-    # cheapest own strategy, each improved by the same moves while time allows.
-    for init in ([0] * len(prob.unary), [len(u) - 1 for u in prob.unary],
-                 [int(np.argmin(u)) for u in seeding.unary]):
+    # Diffusion sees costs that only pay off far downstream (a split the whole network
+    # follows), which no local move reaches, and bounds every plan: its decoded plan,
+    # improved by local moves, is the best start (gpt-1.3b on 64 A100s, dp_tp pinned:
+    # 19.2 ms against 32.6 ms from greedy), and often proves itself near-optimal.
+    dual = min_sum_seed(seeding, deadline=start + 0.6 * window, gap=GAP)
+    # Then, while the gap is open, more starts (local optima differ widely: on a 24-layer GPT
+    # the all-first-strategy start, mostly replicated, ended 39% below the greedy one):
+    # greedy, and while seeding time is left every group's first, last and cheapest own
+    # strategy, each improved by the same moves.
+    def uniform(init: list[int]) -> list[int] | None:
         if time.perf_counter() > deadline:
-            break
-        seeds.append(_local_search(seeding, deadline=deadline,
-                                   start=[init[g] for g in prob.group_of]))
+            return None
+        return _local_search(seeding, deadline=deadline, start=[init[g] for g in prob.group_of])
+
+    starts = [lambda: _local_search(seeding, deadline=start + 0.7 * window, start=dual.choice),
+              lambda: _local_search(seeding, deadline=deadline)]
+    starts += [lambda init=init: uniform(init)
+               for init in ([0] * len(prob.unary), [len(u) - 1 for u in prob.unary],
+                            [int(np.argmin(u)) for u in seeding.unary])]
     if request.warm_start is not None:
-        seeds.append(list(request.warm_start))
-        # The warm start improved (and repaired, where it forbids a pair) by the same moves.
-        seeds.append(_local_search(seeding, deadline=max(deadline, time.perf_counter() + 0.5),
-                                   start=request.warm_start))
-    scored = sorted((evaluate(request, c), i, c) for i, c in enumerate(seeds)
-                    if _admissible(request, c))
-    hint = scored[0][2] if scored else seeds[0]
+        # The warm start as given, and improved (repaired, where it forbids a pair).
+        warm = list(request.warm_start)
+        starts[:0] = [lambda: warm]
+        starts.append(lambda: _local_search(
+            seeding, deadline=max(deadline, time.perf_counter() + 0.5), start=warm))
+    scored: list[tuple[float, int, list[int]]] = []
+    for i, make in enumerate(starts):
+        if scored and _within_gap(scored[0][0], dual.bound):
+            break
+        seed = make()
+        if seed is not None and _admissible(request, seed):
+            scored.append((evaluate(request, seed), i, seed))
+            scored.sort()
+    if scored and _within_gap(scored[0][0], dual.bound):
+        # No plan is better by more than GAP: CP-SAT could only confirm it.
+        value, _, choice = scored[0]
+        return SolverResult(
+            choice, value, min(dual.bound, value),
+            "optimal" if _within_gap(value, dual.bound, 1e-9) else "feasible",
+            time.perf_counter() - start, sum(len(u) for u in prob.unary), 0,
+            timed_out=False, stalled=False, bound_from="diffusion")
+    hint = scored[0][2] if scored else dual.choice
     built = _build(request, prob, scaled, with_memory=True, objective=True, hint=hint)
     remaining = max(request.time_limit - (time.perf_counter() - start), 0.05 * request.time_limit)
     status, solver, stalled = _run(built.model, remaining, _stall_seconds(request.time_limit),
@@ -118,8 +143,9 @@ def solve(request: SolverRequest) -> SolverResult:
                 f"solver found no assignment within time_limit={request.time_limit:g} s "
                 f"({built.num_variables} variables); raise the time limit or pass a warm_start")
         value, _, choice = scored[0]
-        return SolverResult(choice, value, -math.inf, "feasible", time.perf_counter() - start,
-                            built.num_variables, built.num_constraints, not stalled, stalled)
+        return SolverResult(choice, value, min(dual.bound, value), "feasible",
+                            time.perf_counter() - start, built.num_variables,
+                            built.num_constraints, not stalled, stalled, "diffusion")
     choice = built.read(solver)
     value = evaluate(request, choice)
     if scored and scored[0][0] < value:  # rounding can hide a slightly better seed
@@ -127,11 +153,17 @@ def solve(request: SolverRequest) -> SolverResult:
     bound = solver.BestObjectiveBound() / scaled.scale + scaled.offset
     optimal = status == cp_model.OPTIMAL
     return SolverResult(
-        choice=choice, objective=value, bound=min(bound, value),
+        choice=choice, objective=value, bound=min(max(bound, dual.bound), value),
+        bound_from="diffusion" if dual.bound > bound else "cp-sat",
         status="optimal" if optimal else "feasible", solve_time=time.perf_counter() - start,
         num_variables=built.num_variables, num_constraints=built.num_constraints,
         timed_out=not optimal and not stalled, stalled=stalled and not optimal,
     )
+
+
+def _within_gap(value: float, bound: float, gap: float | None = None) -> bool:
+    """Is ``value`` proven within ``gap`` (relative; ``GAP`` by default) of the optimum?"""
+    return math.isfinite(value) and value - bound <= (GAP if gap is None else gap) * abs(value)
 
 
 def _admissible(r: SolverRequest, choice: Sequence[int]) -> bool:

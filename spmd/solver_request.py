@@ -90,6 +90,9 @@ class SolverResult:
     #: CP-SAT stopped early, no better plan having come for a while
     #: (see ``spmd.cpsat.STALL_FRACTION``)
     stalled: bool = False
+    #: what proved ``bound``: "cp-sat", or "diffusion" (``spmd.min_sum``), whose bound
+    #: within ``spmd.solver.GAP`` of a seed skips CP-SAT
+    bound_from: str = "cp-sat"
 
 
 def _encode(x):
