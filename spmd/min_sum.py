@@ -8,14 +8,15 @@ sequence at the same cost; greedy took the sequence, every attention block then 
 and no move could undo it (32.6 ms). Diffusion carries each group's cost of a choice from the
 far end of the graph back to the gather, whose decoded choice is the batch split (19.2 ms).
 
-Diffusion (Schlesinger's; Kolmogorov's TRW-S is its sequential cousin) reparametrizes the
-costs: each group in turn moves cost between itself and its edges so that its own cost and
-each edge's cheapest entry per strategy agree. Every plan keeps its total, while the sum of
-each group's and each edge's cheapest entry, a lower bound on every plan, never decreases.
-That bound is the dual of the LP relaxation CP-SAT starts from, but reached in a fraction
-of a second: on a 24-layer GPT it proves the seed within 0.04% of optimal, where CP-SAT on
-2 cores reports a bound far below. Alpa solves the same problem exactly with an ILP; here it
-seeds CP-SAT, and decides whether CP-SAT is worth running at all.
+Diffusion (Schlesinger's min-sum diffusion; like TRW-S, block-coordinate ascent on the dual
+of the LP relaxation) reparametrizes the costs: each group in turn moves cost between itself
+and its edges until its own cost and each edge's cheapest entry per strategy agree. Every
+plan keeps its total, while the sum of each group's and each edge's cheapest entry, a lower
+bound on every plan, never decreases. On 2 cores it is far tighter than the bound CP-SAT
+reaches in seconds: a 24-layer GPT's seed is proven within 0.04% of optimal in about a
+second; on a random 2,000-node request the gap is 2% where CP-SAT's left 13%. Alpa solves
+the same problem exactly with an ILP; here diffusion seeds CP-SAT, and decides whether
+CP-SAT is worth running at all.
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ class Diffused:
 
     choice: list[int]  # one strategy per node
     bound: float  # seconds; <= the cost of every assignment of ``prob``
-    sweeps: int
 
 
 def min_sum_seed(prob: _Problem, deadline: float, gap: float = 0.0) -> Diffused:
@@ -62,21 +62,21 @@ def min_sum_seed(prob: _Problem, deadline: float, gap: float = 0.0) -> Diffused:
         return np.where(np.isfinite(cost), cost, penalty).astype(float)
 
     # The reparametrized costs, updated in place: own[u] per strategy of u, pair[e] an edge's
-    # matrix; sides[u] holds (edge, view) with u's strategies on the view's rows (the
-    # matrix or its transpose, both writing to the same array).
+    # matrix; sides[u] holds (neighbour, view) per edge of u, with u's strategies on the
+    # view's rows (the matrix or its transpose, both writing to the same array).
     own = [bounded(u) for u in prob.unary]
     pair = [bounded(m) for m in prob.pairs.values()]
-    sides: list[list[tuple[int, int, np.ndarray]]] = [[] for _ in range(n)]
-    for e, (gu, gv) in enumerate(prob.pairs):
-        sides[gu].append((e, gv, pair[e]))
-        sides[gv].append((e, gu, pair[e].T))
+    sides: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(n)]
+    for mat, (gu, gv) in zip(pair, prob.pairs):
+        sides[gu].append((gv, mat))
+        sides[gv].append((gu, mat.T))
 
     def diffuse(u: int) -> None:
         if not sides[u]:
             return
-        cheapest = [view.min(axis=1) for _, _, view in sides[u]]
+        cheapest = [view.min(axis=1) for _, view in sides[u]]
         share = (own[u] + sum(cheapest)) / (len(sides[u]) + 1)
-        for (_, _, view), low in zip(sides[u], cheapest):
+        for (_, view), low in zip(sides[u], cheapest):
             view -= (low - share)[:, None]
         own[u] = share
 
@@ -89,13 +89,13 @@ def min_sum_seed(prob: _Problem, deadline: float, gap: float = 0.0) -> Diffused:
         pick = [-1] * n
         for u in range(n):
             cost = own[u].copy()
-            for _, v, view in sides[u]:
+            for v, view in sides[u]:
                 cost += view[:, pick[v]] if pick[v] >= 0 else view.min(axis=1)
             pick[u] = int(np.argmin(cost))
         return pick
 
     best, best_value = decode(), np.inf
-    low, sweeps, idle = bound(), 0, 0
+    low, idle = bound(), 0
     while True:
         pick = decode()
         value = prob.total(pick)
@@ -109,10 +109,9 @@ def min_sum_seed(prob: _Problem, deadline: float, gap: float = 0.0) -> Diffused:
                 diffuse(u)
             for u in range(n - 1, -1, -1):
                 diffuse(u)
-        sweeps += CHECK_EVERY
         now = bound()
         idle = 0 if improved or now > low + STILL * abs(low) else idle + 1
         low = max(low, now)
         if idle >= PATIENCE:
             break
-    return Diffused([best[g] for g in prob.group_of], min(low, best_value), sweeps)
+    return Diffused([best[g] for g in prob.group_of], min(low, best_value))
