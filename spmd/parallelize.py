@@ -51,22 +51,17 @@ def plan(step_fn: Callable, *example_args: Any, mesh: DeviceMesh, method: str = 
     ['P()', "P('data',)"]
     """
     _check_method(method)
-    with _old_heap_frozen():
+    with _old_heap_frozen():  # no helper function: warnings point at the caller's line
         sig = StepSignature(step_fn, example_args, logical_axes=logical_axes,
                             batch_argnums=batch_argnums)
-        return _plan(sig, mesh, method, options)
-
-
-def _plan(sig: StepSignature, mesh: DeviceMesh, method: str,
-          options: SearchOptions | None) -> Plan:
-    if method == "auto":
-        return auto_plan(sig, mesh, options or SearchOptions())
-    input_specs = manual_specs(sig.leaves, method, mesh)
-    result = Plan(method=method, mesh=mesh, leaves=sig.leaves, input_specs=input_specs,
-                  output_specs=_output_specs(sig, input_specs), signature=sig)
-    if options is not None and options.compare:  # scoring costs a solve: only when asked
-        result.prediction = score_manual(sig, mesh, method, options).prediction.to_dict()
-    return result
+        if method == "auto":
+            return auto_plan(sig, mesh, options or SearchOptions())
+        input_specs = manual_specs(sig.leaves, method, mesh)
+        result = Plan(method=method, mesh=mesh, leaves=sig.leaves, input_specs=input_specs,
+                      output_specs=_output_specs(sig, input_specs), signature=sig)
+        if options is not None and options.compare:  # scoring costs a solve: only when asked
+            result.prediction = score_manual(sig, mesh, method, options).prediction.to_dict()
+        return result
 
 
 @contextlib.contextmanager

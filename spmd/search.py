@@ -91,14 +91,15 @@ def _cache_key(jaxpr, inputs: list[InputInfo], mesh: DeviceMesh, options: Search
 
 
 def _warn_trivial_axes(mesh: DeviceMesh) -> None:
+    """Called by ``auto_plan`` from ``spmd.plan``: the warnings point at the caller's line."""
     if mesh.size == 1:
         warnings.warn(f"mesh {mesh.name!r} has one device: every plan is the same (nothing is "
-                      f"split); the step runs unsharded", stacklevel=3)
+                      f"split); the step runs unsharded", stacklevel=4)
         return
     ones = [a for a, s in mesh.shape.items() if s == 1]
     if ones:
         warnings.warn(f"mesh {mesh.name!r}: axis {', '.join(ones)} has size 1 and cannot split "
-                      f"anything; it is ignored", stacklevel=3)
+                      f"anything; it is ignored", stacklevel=4)
 
 
 def score_manual(sig: StepSignature, mesh: DeviceMesh, method: str,

@@ -55,10 +55,11 @@ def test_solver_timeout_warns_and_still_plans():
     spec = models.get("gpt-tiny")
     grads = lambda m, b: nnx.value_and_grad(spec.loss)(m, b)  # noqa: E731
     options = spmd.SearchOptions(time_limit=0.05, cache=False, compare=False)
-    with pytest.warns(UserWarning, match="reached its time limit"):
+    with pytest.warns(UserWarning, match="reached its time limit") as caught:
         plan = spmd.plan(grads, nnx.eval_shape(lambda: spec.create(0)), spec.batch(8, 0),
                          mesh=mesh, method="auto", options=options)
     assert plan.search["status"] == "feasible"
+    assert {w.filename for w in caught} == {__file__}  # the user's line, not spmd's
 
 
 @pytest.mark.parametrize("axes, warning", [
@@ -72,6 +73,9 @@ def test_trivial_axes_warn_and_the_step_runs(axes, warning):
     with pytest.warns(UserWarning, match=warning):
         step = spmd.parallelize(_step, mesh=mesh, method="auto", options=options)
         new_params, loss = step(params, batch)
+    with pytest.warns(UserWarning, match=warning) as caught:
+        spmd.plan(_step, params, batch, mesh=mesh, method="auto", options=options)
+    assert {w.filename for w in caught} == {__file__}  # the user's line, not spmd's
     ref_params, ref_loss = jax.jit(_step)(params, batch)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     np.testing.assert_allclose(np.asarray(new_params["w1"]), np.asarray(ref_params["w1"]), rtol=1e-5,
