@@ -133,6 +133,9 @@ class Plan:
         console.print("state per device: " + ", ".join(f"{k} {v / 2**20:.2f} MiB"
                                                         for k, v in sorted(totals.items())))
         if self.search:
+            summary = self._solver_summary()
+            if summary:
+                console.print(summary)
             console.print("search: " + ", ".join(f"{k}={v}" for k, v in self.search.items()
                                                   if not isinstance(v, (dict, list))))
             if self.search.get("fallbacks"):
@@ -154,6 +157,21 @@ class Plan:
             console.print(f"compiled: peak {self.measured['memory']['peak_bytes'] / 2**20:.2f} "
                           f"MiB per device")
         return buf.getvalue()
+
+    def _solver_summary(self) -> str | None:
+        """How good the search's plan is: the objective against the proven lower bound."""
+        s = self.search or {}
+        if s.get("objective") is None or s.get("bound") is None:
+            return None
+        objective, bound = s["objective"], s["bound"]
+        gap = (objective - bound) / objective if objective > 0 else 0.0
+        how = ("; stopped at the time limit" if s.get("timed_out")
+               else "; stopped early, no better plan coming" if s.get("stalled") else "")
+        kept = (f"; the hand-written plan {s['kept_hand_written']} scored better and is used"
+                if s.get("kept_hand_written") else "")
+        return (f"solver: {s.get('status')} in {s.get('search_seconds', 0):.2f} s, objective "
+                f"{objective * 1e3:.4g} ms, lower bound {bound * 1e3:.4g} ms "
+                f"({s.get('bound_from', 'cp-sat')}): within {gap:.2%} of optimal{how}{kept}")
 
     def _prediction_table(self):
         from rich.table import Table

@@ -107,8 +107,10 @@ def test_auto_plan_explains_itself():
     plan.attach_measured(spmd.analyze(compiled))
     text = plan.describe()
     for needle in ("predicted cost per step", "auto (this plan)", "dp", "predicted vs compiled",
-                   "params/w1", "communication priced by the cost model"):
+                   "params/w1", "communication priced by the cost model", "lower bound",
+                   "of optimal"):
         assert needle in text
+    assert plan.search["bound"] <= plan.search["objective"]
     # The compiled program's collectives, priced by the same model, cost what was predicted
     # (here one gradient all-reduce: nothing for XLA to combine).
     assert plan.measured["unpriced_collectives"] == 0
