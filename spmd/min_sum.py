@@ -94,24 +94,28 @@ def min_sum_seed(prob: _Problem, deadline: float, gap: float = 0.0) -> Diffused:
             pick[u] = int(np.argmin(cost))
         return pick
 
-    best, best_value = decode(), np.inf
-    low, idle = bound(), 0
+    def sweep() -> None:
+        for u in range(n):
+            diffuse(u)
+        for u in range(n - 1, -1, -1):
+            diffuse(u)
+
+    best: list[int] | None = None
+    best_value, low, idle = np.inf, bound(), 0
     while True:
-        pick = decode()
+        pick = decode()  # also after the last sweeps, however they ended
         value = prob.total(pick)
         improved = value < best_value * (1 - 1e-9)
-        if improved:
+        if best is None or improved:
             best, best_value = pick, value
-        if best_value - low <= gap * abs(best_value) or time.perf_counter() > deadline:
+        if (best_value - low <= gap * abs(best_value) or idle >= PATIENCE
+                or time.perf_counter() > deadline):
             break
         for _ in range(CHECK_EVERY):
-            for u in range(n):
-                diffuse(u)
-            for u in range(n - 1, -1, -1):
-                diffuse(u)
+            sweep()
+            if time.perf_counter() > deadline:  # a sweep of a large graph takes a while
+                break
         now = bound()
         idle = 0 if improved or now > low + STILL * abs(low) else idle + 1
         low = max(low, now)
-        if idle >= PATIENCE:
-            break
     return Diffused([best[g] for g in prob.group_of], min(low, best_value))

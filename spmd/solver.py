@@ -93,7 +93,7 @@ def solve(request: SolverRequest) -> SolverResult:
     # follows), which no local move reaches, and bounds every plan: its decoded plan,
     # improved by local moves, is the best start (gpt-1.3b on 64 A100s, dp_tp pinned:
     # 19.2 ms against 32.6 ms from greedy), and often proves itself near-optimal.
-    dual = min_sum_seed(seeding, deadline=start + 0.6 * window, gap=GAP)
+    dual = min_sum_seed(seeding, deadline=start + max(0.6 * window, 0.4 * limit), gap=GAP)
     # Then, while the gap is open, more starts (local optima differ widely: on a 24-layer GPT
     # the all-first-strategy start, mostly replicated, ended 39% below the greedy one):
     # greedy, and while seeding time is left every group's first, last and cheapest own
@@ -103,7 +103,9 @@ def solve(request: SolverRequest) -> SolverResult:
             return None
         return _local_search(seeding, deadline=deadline, start=[init[g] for g in prob.group_of])
 
-    starts = [lambda: _local_search(seeding, deadline=start + 0.7 * window, start=dual.choice),
+    # (Diffusion may end past its deadline on a large graph: its plan still gets moves.)
+    starts = [lambda: _local_search(seeding, start=dual.choice, deadline=max(
+                  start + 0.7 * window, time.perf_counter() + 0.25 * window)),
               lambda: _local_search(seeding, deadline=deadline)]
     starts += [lambda init=init: uniform(init)
                for init in ([0] * len(prob.unary), [len(u) - 1 for u in prob.unary],
