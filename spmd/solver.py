@@ -48,8 +48,8 @@ from spmd.cpsat import Scaled, _build, _memory_unit, _run, _stall_seconds, resca
 from spmd.errors import InfeasibleError, PlanError
 from spmd.local_search import _local_search
 from spmd.min_sum import min_sum_seed
-from spmd.solver_request import (SolverRequest, SolverResult, _Problem, _reduce,
-                                 _representatives, evaluate, memory_peak, validate)
+from spmd.solver_request import (SolverRequest, SolverResult, _Problem, _reduce, evaluate,
+                                 memory_peak, validate)
 
 __all__ = [
     "SolverRequest", "SolverResult", "Scaled", "validate", "evaluate", "memory_peak",
@@ -125,9 +125,11 @@ def solve(request: SolverRequest) -> SolverResult:
         if scored and _within_gap(scored[0][0], dual.bound):
             break
         seed = make()
-        if seed is not None and _admissible(request, seed):
-            scored.append((evaluate(request, seed), i, seed))
-            scored.sort()
+        if seed is not None:
+            value = evaluate(request, seed)
+            if _admissible(request, prob, seed, value):
+                scored.append((value, i, seed))
+                scored.sort()
     if scored and _within_gap(scored[0][0], dual.bound):
         # No plan is better by more than GAP: CP-SAT could only confirm it.
         value, _, choice = scored[0]
@@ -172,10 +174,11 @@ def _within_gap(value: float, bound: float, gap: float | None = None) -> bool:
     return math.isfinite(value) and value - bound <= (GAP if gap is None else gap) * abs(value)
 
 
-def _admissible(r: SolverRequest, choice: Sequence[int]) -> bool:
-    rep = _representatives(r)
-    return (all(choice[v] == choice[rep[v]] for v in range(len(choice)))
-            and math.isfinite(evaluate(r, choice))
+def _admissible(r: SolverRequest, prob: _Problem, choice: Sequence[int], value: float) -> bool:
+    """A seed CP-SAT may start from: tied nodes agree, nothing forbidden (``value`` is its
+    ``evaluate``), and it fits the memory budget."""
+    return (all(choice[v] == choice[prob.groups[g]] for v, g in enumerate(prob.group_of))
+            and math.isfinite(value)
             and (r.memory_budget is None or memory_peak(r, choice) <= r.memory_budget))
 
 

@@ -76,7 +76,9 @@ class SolverResult:
     """The chosen strategy per node and how good it is.
 
     ``objective`` is the exact float cost of ``choice`` (seconds, via ``evaluate``);
-    ``bound`` the solver's best lower bound in seconds (accurate to the rescaling precision).
+    ``bound`` the best proven lower bound in seconds (``bound_from`` says whose; CP-SAT's is
+    accurate to the rescaling precision). When CP-SAT was skipped, ``num_variables`` counts
+    the strategy booleans it would have had and ``num_constraints`` is 0.
     """
 
     choice: list[int]
