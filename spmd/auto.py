@@ -285,7 +285,10 @@ def score(closed_jaxpr, inputs: Sequence[InputInfo], mesh: DeviceMesh,
           input_specs: Sequence[Spec], *, output_aliases: Mapping[int, int] = {},
           time_limit: float = 10.0, graph: Graph | None = None) -> Prediction:
     """Score a hand-written plan with the search's own model: inputs pinned to
-    ``input_specs``, intermediates chosen by the integer program (no memory budget)."""
+    ``input_specs``, intermediates chosen by the integer program (no memory budget) in the
+    search's own space, repeated layers alike. Pins differ per layer only if the plan's do
+    (tied nodes must share their candidates). Untied, a 24-layer gpt-1.3b took 15-18 s per
+    plan against 2.5-3 s, for plans 0.09% better (tp) or, out of time, 4.6% worse (zero)."""
     return score_result(closed_jaxpr, inputs, mesh, input_specs, output_aliases=output_aliases,
                         time_limit=time_limit, graph=graph).prediction
 
@@ -297,6 +300,6 @@ def score_result(closed_jaxpr, inputs: Sequence[InputInfo], mesh: DeviceMesh,
     start = time.perf_counter()
     graph = graph if graph is not None else build_graph(closed_jaxpr)
     pins = [tuple(tuple(a) for a in s) for s in input_specs]
-    p = Problem(graph, inputs, mesh, CostModel(mesh), pins, output_aliases, share_layers=False)
+    p = Problem(graph, inputs, mesh, CostModel(mesh), pins, output_aliases)
     res, req = _solve(p, None, time_limit)
     return _result(p, res, _stats(graph, p, req, res, time.perf_counter() - start))

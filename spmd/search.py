@@ -152,8 +152,8 @@ def auto_plan(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions) -> P
                    and best[1].prediction.total_time < result.prediction.total_time
                    and best[1].prediction.memory_bytes <= budget)
     if kept_manual:
-        # The search ties repeated layers and keeps small inputs replicated, so it can
-        # miss a hand-written plan outside that space by a hair; never return a slower plan.
+        # The search keeps small inputs replicated, so it can miss a hand-written plan
+        # that splits them by a hair; never return a slower plan.
         result = dataclasses.replace(best[1], solver=result.solver, stats=result.stats)
     solver = result.solver
     if solver is not None and solver.timed_out:
