@@ -126,14 +126,40 @@ class _Built:
     num_constraints: int
 
     def read(self, solver) -> list[int]:
-        picks = [next(i for i, lit in enumerate(lits) if solver.BooleanValue(lit))
+        picks = [next(i for i, lit in enumerate(lits) if solver.boolean_value(lit))
                  for lits in self.x]
         return [picks[g] for g in self.group_of]
 
 
+class OutOfTime(Exception):
+    """The model was not built by its deadline (``_build``): there is no time left to solve it."""
+
+
+#: pairs of groups written between two looks at the clock in ``_build``
+_CLOCK_EVERY = 256
+
+
+def _distinct_rows(mat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct rows of ``mat`` (first-seen order) and each row's index among them.
+    A dict of row bytes: ``np.unique(axis=0)`` took 16 of a 55 s build on a 6,588-group
+    request (edge matrices are small, and it sorts structured views)."""
+    mat = np.ascontiguousarray(mat)
+    index: dict[bytes, int] = {}
+    firsts: list[int] = []
+    inverse = np.empty(len(mat), dtype=np.intp)
+    for i, row in enumerate(mat):
+        c = index.setdefault(row.tobytes(), len(firsts))
+        if c == len(firsts):
+            firsts.append(i)
+        inverse[i] = c
+    return mat[firsts], inverse
+
+
 def _build(r: SolverRequest, prob: _Problem, scaled: Scaled, *, with_memory: bool,
            objective: bool, minimize_memory: bool = False,
-           hint: Sequence[int] | None = None) -> _Built:
+           hint: Sequence[int] | None = None, deadline: float | None = None) -> _Built:
+    """The CP-SAT model (module docstring). Raises ``OutOfTime`` past ``deadline``
+    (``time.perf_counter()`` seconds): a 6,588-group request took 7.5 s to write out."""
     from ortools.sat.python import cp_model
 
     weighted = cp_model.LinearExpr.weighted_sum
@@ -142,14 +168,14 @@ def _build(r: SolverRequest, prob: _Problem, scaled: Scaled, *, with_memory: boo
     obj_coefs: list[int] = []
     x: list[list[object]] = []
     for gi, costs in enumerate(scaled.unary):
-        lits = [model.NewBoolVar("") for _ in range(len(costs))]
+        lits = [model.new_bool_var("") for _ in range(len(costs))]
         if len(lits) == 1:
-            model.Add(lits[0] == 1)
+            model.add(lits[0] == 1)
         else:
-            model.AddExactlyOne(lits)
+            model.add_exactly_one(lits)
         for s, c in enumerate(costs.tolist()):
             if c == FORBIDDEN:
-                model.Add(lits[s] == 0)
+                model.add(lits[s] == 0)
             elif c and objective:
                 obj_vars.append(lits[s])
                 obj_coefs.append(c)
@@ -160,96 +186,102 @@ def _build(r: SolverRequest, prob: _Problem, scaled: Scaled, *, with_memory: boo
     if pick is not None:
         for gi, lits in enumerate(x):
             for s, lit in enumerate(lits):
-                model.AddHint(lit, s == pick[gi])
+                model.add_hint(lit, s == pick[gi])
 
-    def class_literal(g: int, members: tuple[int, ...]):
+    def class_literal(g: int, members: list[int]):
         """One literal that is true when group g picks any of ``members`` (shared by edges)."""
         if len(members) == 1:
             return x[g][members[0]]
-        key = (g, members)
+        key = (g, tuple(members))
         if key not in classes:
-            lit = model.NewBoolVar("")
-            model.Add(sum(x[g][s] for s in members) == lit)
+            lit = model.new_bool_var("")
+            model.add(cp_model.LinearExpr.sum([x[g][s] for s in members]) == lit)
             if pick is not None:
-                model.AddHint(lit, pick[g] in members)
+                model.add_hint(lit, pick[g] in members)
             classes[key] = lit
         return classes[key]
 
-    for (gu, gv), mat in scaled.pairs.items():
+    def class_literals(g: int, inverse: np.ndarray, count: int) -> list[object]:
+        members: list[list[int]] = [[] for _ in range(count)]
+        for s, c in enumerate(inverse.tolist()):
+            members[c].append(s)
+        return [class_literal(g, m) for m in members]
+
+    for n, ((gu, gv), mat) in enumerate(scaled.pairs.items()):
+        if deadline is not None and n % _CLOCK_EVERY == 0 and time.perf_counter() > deadline:
+            raise OutOfTime
         xu, xv = x[gu], x[gv]
         for i, j in zip(*np.nonzero(mat == FORBIDDEN)):
-            model.AddBoolOr([xu[i].Not(), xv[j].Not()])
+            model.add_bool_or([~xu[i], ~xv[j]])
         if not objective or not (mat > 0).any():
             continue
         # Strategies with identical rows (columns) reshard alike: one literal per class.
-        rows_u, inv_u = np.unique(mat, axis=0, return_inverse=True)
-        small, inv_v = np.unique(rows_u, axis=1, return_inverse=True)
-        inv_u, inv_v = inv_u.reshape(-1), inv_v.reshape(-1)
-        cu = [class_literal(gu, tuple(np.nonzero(inv_u == c)[0].tolist()))
-              for c in range(small.shape[0])]
-        cv = [class_literal(gv, tuple(np.nonzero(inv_v == c)[0].tolist()))
-              for c in range(small.shape[1])]
-        rows = small.tolist()
+        rows_u, inv_u = _distinct_rows(mat)
+        cols, inv_v = _distinct_rows(rows_u.T)
+        small = cols.T
         ku, kv = small.shape
+        cu = class_literals(gu, inv_u, ku)
+        cv = class_literals(gv, inv_v, kv)
+        rows = small.tolist()
         hu = hv = -1
         if pick is not None:
             hu, hv = int(inv_u[pick[gu]]), int(inv_v[pick[gv]])
         if ku * kv <= MARGINAL_LIMIT:
-            e = [[None if rows[i][j] == FORBIDDEN else model.NewBoolVar("") for j in range(kv)]
+            e = [[None if rows[i][j] == FORBIDDEN else model.new_bool_var("") for j in range(kv)]
                  for i in range(ku)]
             for i in range(ku):
-                model.Add(sum(v for v in e[i] if v is not None) == cu[i])
+                model.add(cp_model.LinearExpr.sum([v for v in e[i] if v is not None]) == cu[i])
             for j in range(kv):
-                model.Add(sum(e[i][j] for i in range(ku) if e[i][j] is not None) == cv[j])
-            if pick is not None:
-                for i in range(ku):
-                    for j in range(kv):
-                        if e[i][j] is not None:
-                            model.AddHint(e[i][j], i == hu and j == hv)
+                model.add(cp_model.LinearExpr.sum(
+                    [e[i][j] for i in range(ku) if e[i][j] is not None]) == cv[j])
             for i in range(ku):
                 for j in range(kv):
+                    if e[i][j] is None:
+                        continue
+                    if pick is not None:
+                        model.add_hint(e[i][j], i == hu and j == hv)
                     if rows[i][j] > 0:
                         obj_vars.append(e[i][j])
                         obj_coefs.append(rows[i][j])
         else:
-            cost = model.NewIntVar(0, int(small.max()), "")
+            cost = model.new_int_var(0, int(small.max()), "")
             for i in range(ku):
                 js = [j for j in range(kv) if rows[i][j] > 0]
                 if js:
-                    model.Add(weighted([cv[j] for j in js], [rows[i][j] for j in js]) <= cost
-                              ).OnlyEnforceIf(cu[i])
+                    model.add(weighted([cv[j] for j in js], [rows[i][j] for j in js]) <= cost
+                              ).only_enforce_if(cu[i])
             obj_vars.append(cost)
             obj_coefs.append(1)
             if pick is not None:
-                model.AddHint(cost, max(rows[hu][hv], 0))
+                model.add_hint(cost, max(rows[hu][hv], 0))
     for (_, members), units in zip(prob.charges, scaled.charges):
         if not objective or not units:
             continue
-        paid = model.NewBoolVar("")  # true when any member strategy is chosen
+        paid = model.new_bool_var("")  # true when any member strategy is chosen
         for g, k in members:
-            model.AddImplication(x[g][k], paid)
+            model.add_implication(x[g][k], paid)
         obj_vars.append(paid)
         obj_coefs.append(units)
         if pick is not None:
-            model.AddHint(paid, any(pick[g] == k for g, k in members))
+            model.add_hint(paid, any(pick[g] == k for g, k in members))
     if with_memory and r.liveness:
         # Minimizing the peak needs every set; under a budget, only those that can exceed it.
         mem_terms = _memory_terms(r, prob, x, None if minimize_memory else r.memory_budget)
         if minimize_memory:
             top = sum(sum(c for _, c in t) for t in mem_terms) + 1
-            peak = model.NewIntVar(0, top, "peak")
+            peak = model.new_int_var(0, top, "peak")
             for t in mem_terms:
                 if t:
-                    model.Add(weighted([v for v, _ in t], [c for _, c in t]) <= peak)
+                    model.add(weighted([v for v, _ in t], [c for _, c in t]) <= peak)
             obj_vars, obj_coefs = [peak], [1]
         elif r.memory_budget is not None:
             budget = math.floor(r.memory_budget / _memory_unit(r))
             for t in mem_terms:
                 if t:
-                    model.Add(weighted([v for v, _ in t], [c for _, c in t]) <= budget)
+                    model.add(weighted([v for v, _ in t], [c for _, c in t]) <= budget)
     if obj_vars:
-        model.Minimize(weighted(obj_vars, obj_coefs))
-    proto = model.Proto()
+        model.minimize(weighted(obj_vars, obj_coefs))
+    proto = model.proto
     return _Built(model, x, prob.group_of, len(proto.variables), len(proto.constraints))
 
 
@@ -307,7 +339,7 @@ def _run(model, time_limit: float, stall: float | None = None, offset: float = 0
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = NUM_WORKERS
     solver.parameters.max_time_in_seconds = float(time_limit)
-    size = len(model.Proto().variables)
+    size = len(model.proto.variables)
     if size > LIGHT_PRESOLVE_LIMIT:
         # One presolve round: the (hinted) first plan comes in ~0.6 s instead of ~2 s on a
         # 7,000-variable model, which is most of the search's time once the hint is good.
@@ -338,7 +370,7 @@ def _run(model, time_limit: float, stall: float | None = None, offset: float = 0
             wait = stall if math.isfinite(mark[0]) else 2 * stall
             if time.perf_counter() - last[0] > wait:
                 stopped.set()
-                solver.stop_search()
+                solver.StopSearch()
                 return
 
     watcher = threading.Thread(target=watch, daemon=True)

@@ -44,7 +44,7 @@ from typing import Sequence
 
 import numpy as np
 
-from spmd.cpsat import Scaled, _build, _memory_unit, _run, _stall_seconds, rescale
+from spmd.cpsat import OutOfTime, Scaled, _build, _memory_unit, _run, _stall_seconds, rescale
 from spmd.errors import InfeasibleError, PlanError
 from spmd.local_search import _local_search
 from spmd.min_sum import min_sum_seed
@@ -62,6 +62,9 @@ __all__ = [
 #: CP-SAT is skipped once a seed is proven within this (relative) gap of every plan's lower
 #: bound: on 2 cores it then only spends its seconds confirming the seed.
 GAP = 1e-3
+#: the least share of the time limit left to CP-SAT once its model is written; a model not
+#: written by then is dropped (the best seed is returned, timed out)
+SOLVE_SHARE = 0.1
 
 
 def solve(request: SolverRequest) -> SolverResult:
@@ -139,7 +142,16 @@ def solve(request: SolverRequest) -> SolverResult:
             time.perf_counter() - start, sum(len(u) for u in prob.unary), 0,
             timed_out=False, stalled=False, bound_from="diffusion")
     hint = scored[0][2] if scored else dual.choice
-    built = _build(request, prob, scaled, with_memory=True, objective=True, hint=hint)
+    try:
+        # Writing the model counts against the limit (a large one outlasted it), unless no
+        # seed fits: then only CP-SAT can find a plan, or explain why there is none.
+        built = _build(request, prob, scaled, with_memory=True, objective=True, hint=hint,
+                       deadline=start + (1 - SOLVE_SHARE) * limit if scored else None)
+    except OutOfTime:
+        value, _, choice = scored[0]
+        return SolverResult(choice, value, min(dual.bound, value), "feasible",
+                            time.perf_counter() - start, sum(len(u) for u in prob.unary), 0,
+                            timed_out=True, stalled=False, bound_from="diffusion")
     remaining = max(request.time_limit - (time.perf_counter() - start), 0.05 * request.time_limit)
     status, solver, stalled = _run(built.model, remaining, _stall_seconds(request.time_limit),
                                    offset=scaled.offset * scaled.scale)

@@ -182,6 +182,26 @@ def test_warm_start_and_time_out_paths():
         assert res.objective - res.bound <= GAP * res.objective
 
 
+def test_a_model_not_written_in_time_leaves_the_best_seed_timed_out(monkeypatch):
+    """Writing the CP-SAT model counts against the limit: past its deadline the best seed
+    is returned, marked timed out, instead of solving beyond the limit."""
+    import spmd.cpsat
+    import spmd.solver
+
+    req = _random_request(n=300, edges=450, seed=5, time_limit=0.5)
+    prob = spmd.solver._reduce(req)
+    scaled = rescale(prob.unary, prob.pairs, [c for c, _ in prob.charges])
+    with pytest.raises(spmd.cpsat.OutOfTime):
+        spmd.cpsat._build(req, prob, scaled, with_memory=True, objective=True,
+                          deadline=time.perf_counter() - 1)
+    monkeypatch.setattr(spmd.solver, "GAP", 0.0)  # no seed may end the search early
+    monkeypatch.setattr(spmd.solver, "SOLVE_SHARE", 1.0)  # the model is due at the start
+    res = solve(req)
+    assert res.timed_out and not res.stalled and res.num_constraints == 0
+    assert res.objective == pytest.approx(evaluate(req, res.choice))
+    assert res.bound <= res.objective < evaluate(req, [0] * 300)
+
+
 def test_json_round_trip():
     req = request([[0.0, INF], [1.0, 2.0]], [(0, 1)], [[[0.0, INF], [1.0, 2.0]]],
                   node_memory=[[1.0, 2.0], [3.0, 4.0]], liveness=[[0, 1]],
