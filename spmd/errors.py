@@ -1,4 +1,11 @@
-"""Errors a user can fix. The CLI prints these as one message, without a traceback."""
+"""Errors a user can fix, and warnings about their input. The CLI prints errors as one
+message, without a traceback."""
+
+import os
+import sys
+import warnings
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 class SpmdError(ValueError):
@@ -18,3 +25,13 @@ class PlanError(SpmdError):
 
 class InfeasibleError(PlanError):
     """No plan fits the memory budget."""
+
+
+def warn(message: str, category: type[Warning] = UserWarning) -> None:
+    """Warn at the user's line: the innermost frame outside spmd, however deep the call
+    (``spmd.plan``, a ``ParallelStep`` call), so the location printed and ``-W`` filters
+    name the user's code. A fixed ``stacklevel`` is right for one path only."""
+    frame, level = sys._getframe(1), 2  # stacklevel 2: warn's caller
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)

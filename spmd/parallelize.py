@@ -51,7 +51,7 @@ def plan(step_fn: Callable, *example_args: Any, mesh: DeviceMesh, method: str = 
     ['P()', "P('data',)"]
     """
     _check_method(method)
-    with _old_heap_frozen():  # no helper function: warnings point at the caller's line
+    with _old_heap_frozen():
         sig = StepSignature(step_fn, example_args, logical_axes=logical_axes,
                             batch_argnums=batch_argnums)
         if method == "auto":

@@ -10,13 +10,12 @@ import functools
 import hashlib
 import json
 import os
-import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
 
 from spmd.auto import AutoResult, InputInfo, score_result, search
-from spmd.errors import PlanError
+from spmd.errors import PlanError, warn
 from spmd.graph import Graph, build_graph
 from spmd.manual import ManualMethod, applicable_methods, leaf_spec, manual_specs
 from spmd.mesh import DeviceMesh
@@ -91,15 +90,15 @@ def _cache_key(jaxpr, inputs: list[InputInfo], mesh: DeviceMesh, options: Search
 
 
 def _warn_trivial_axes(mesh: DeviceMesh) -> None:
-    """Called by ``auto_plan`` from ``spmd.plan``: the warnings point at the caller's line."""
+    """A one-device mesh or a size-1 axis plans fine but splits nothing: say so, not fail."""
     if mesh.size == 1:
-        warnings.warn(f"mesh {mesh.name!r} has one device: every plan is the same (nothing is "
-                      f"split); the step runs unsharded", stacklevel=4)
+        warn(f"mesh {mesh.name!r} has one device: every plan is the same (nothing is split); "
+             f"the step runs unsharded")
         return
     ones = [a for a, s in mesh.shape.items() if s == 1]
     if ones:
-        warnings.warn(f"mesh {mesh.name!r}: axis {', '.join(ones)} has size 1 and cannot split "
-                      f"anything; it is ignored", stacklevel=4)
+        warn(f"mesh {mesh.name!r}: axis {', '.join(ones)} has size 1 and cannot split "
+             f"anything; it is ignored")
 
 
 def score_manual(sig: StepSignature, mesh: DeviceMesh, method: str,
@@ -157,10 +156,9 @@ def auto_plan(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions) -> P
         result = dataclasses.replace(best[1], solver=result.solver, stats=result.stats)
     solver = result.solver
     if solver is not None and solver.timed_out:
-        warnings.warn(f"the sharding search reached its time limit ({options.time_limit:g} s); "
-                      f"using the best plan found (objective {solver.objective:.4g} s, bound "
-                      f"{solver.bound:.4g} s). Raise SearchOptions.time_limit for a better one",
-                      stacklevel=3)
+        warn(f"the sharding search reached its time limit ({options.time_limit:g} s); using "
+             f"the best plan found (objective {solver.objective:.4g} s, bound "
+             f"{solver.bound:.4g} s). Raise SearchOptions.time_limit for a better one")
     stats = dict(result.stats)
     if solver is not None:
         # stalled: stopped early with no better plan coming (not a time-out: no warning)
@@ -179,6 +177,6 @@ def auto_plan(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions) -> P
             path.parent.mkdir(parents=True, exist_ok=True)
             planned.save(path)
         except OSError as err:
-            warnings.warn(f"could not save the plan cache {path}: {err}", stacklevel=3)
+            warn(f"could not save the plan cache {path}: {err}")
     return planned
 

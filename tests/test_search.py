@@ -70,9 +70,10 @@ def test_trivial_axes_warn_and_the_step_runs(axes, warning):
     mesh = spmd.make_mesh(axes, virtual=True)
     options = spmd.SearchOptions(cache=False, compare=False)
     params, batch = _args()
-    with pytest.warns(UserWarning, match=warning):
+    with pytest.warns(UserWarning, match=warning) as caught:
         step = spmd.parallelize(_step, mesh=mesh, method="auto", options=options)
         new_params, loss = step(params, batch)
+    assert {w.filename for w in caught} == {__file__}  # planned on the first call
     with pytest.warns(UserWarning, match=warning) as caught:
         spmd.plan(_step, params, batch, mesh=mesh, method="auto", options=options)
     assert {w.filename for w in caught} == {__file__}  # the user's line, not spmd's
