@@ -257,6 +257,11 @@ def test_repeated_blocks_share_choices():
     assert res.stats["tied"] > 0 and res.stats["free_nodes"] < res.stats["solver_nodes"]
     specs = res.input_specs[:n]
     assert specs[0::2] == [specs[0]] * 4 and specs[1::2] == [specs[1]] * 4
+    # A hand-written plan is scored in the same space: its layers tied alike.
+    scored = score_result(cj, _infos(args, ["param"] * n + ["batch"]), mesh, res.input_specs,
+                          output_aliases={i: i for i in range(n)})
+    assert scored.stats["tied"] == res.stats["tied"]
+    assert scored.prediction.total_time == pytest.approx(res.prediction.total_time, rel=1e-6)
 
 
 def test_scan_over_layers_planned_once_for_its_body():
