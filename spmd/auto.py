@@ -35,6 +35,10 @@ __all__ = ["AutoResult", "InputInfo", "Prediction", "score", "search"]
 #: the plan had gathered, which all-reduced a whole table gradient), plus every reshard point.
 
 
+#: solver seconds at most for scoring a hand-written plan (its inputs are fixed)
+SCORE_TIME_LIMIT = 10.0
+
+
 @dataclasses.dataclass
 class Prediction:
     """The cost model's view of one plan, per device."""
@@ -232,7 +236,7 @@ def search(closed_jaxpr, inputs: Sequence[InputInfo], mesh: DeviceMesh, *,
         elif warm_start is not None and all(s is not None for s in warm_start):
             scored = score_result(closed_jaxpr, inputs, mesh, warm_start,
                                   output_aliases=output_aliases,
-                                  time_limit=min(time_limit, 10.0), graph=graph)
+                                  time_limit=min(time_limit, SCORE_TIME_LIMIT), graph=graph)
             warm = _warm_choice(p, scored.node_strategies)
     except Exception:  # a hint only: an infeasible or unmappable hand plan is skipped
         warm = None
@@ -283,7 +287,7 @@ def _stats(graph: Graph, p: Problem, req: SolverRequest, res: SolverResult, seco
 
 def score(closed_jaxpr, inputs: Sequence[InputInfo], mesh: DeviceMesh,
           input_specs: Sequence[Spec], *, output_aliases: Mapping[int, int] = {},
-          time_limit: float = 10.0, graph: Graph | None = None) -> Prediction:
+          time_limit: float = SCORE_TIME_LIMIT, graph: Graph | None = None) -> Prediction:
     """Score a hand-written plan with the search's own model: inputs pinned to
     ``input_specs``, intermediates chosen by the integer program (no memory budget) in the
     search's own space, repeated layers alike. Pins differ per layer only if the plan's do
@@ -295,7 +299,7 @@ def score(closed_jaxpr, inputs: Sequence[InputInfo], mesh: DeviceMesh,
 
 def score_result(closed_jaxpr, inputs: Sequence[InputInfo], mesh: DeviceMesh,
                  input_specs: Sequence[Spec], *, output_aliases: Mapping[int, int] = {},
-                 time_limit: float = 10.0, graph: Graph | None = None) -> AutoResult:
+                 time_limit: float = SCORE_TIME_LIMIT, graph: Graph | None = None) -> AutoResult:
     """Like ``score``, returning the whole AutoResult (constraints included)."""
     start = time.perf_counter()
     graph = graph if graph is not None else build_graph(closed_jaxpr)

@@ -162,7 +162,7 @@ def _build(r: SolverRequest, prob: _Problem, scaled: Scaled, *, with_memory: boo
     (``time.perf_counter()`` seconds): a 6,588-group request takes ~5 s to write out."""
     from ortools.sat.python import cp_model
 
-    weighted = cp_model.LinearExpr.weighted_sum
+    weighted, total = cp_model.LinearExpr.weighted_sum, cp_model.LinearExpr.sum
     model = cp_model.CpModel()
     obj_vars: list[object] = []
     obj_coefs: list[int] = []
@@ -195,7 +195,7 @@ def _build(r: SolverRequest, prob: _Problem, scaled: Scaled, *, with_memory: boo
         key = (g, tuple(members))
         if key not in classes:
             lit = model.new_bool_var("")
-            model.add(cp_model.LinearExpr.sum([x[g][s] for s in members]) == lit)
+            model.add(total([x[g][s] for s in members]) == lit)
             if pick is not None:
                 model.add_hint(lit, pick[g] in members)
             classes[key] = lit
@@ -230,9 +230,9 @@ def _build(r: SolverRequest, prob: _Problem, scaled: Scaled, *, with_memory: boo
             e = [[None if rows[i][j] == FORBIDDEN else model.new_bool_var("") for j in range(kv)]
                  for i in range(ku)]
             for i in range(ku):
-                model.add(cp_model.LinearExpr.sum([v for v in e[i] if v is not None]) == cu[i])
+                model.add(total([v for v in e[i] if v is not None]) == cu[i])
             for j in range(kv):
-                model.add(cp_model.LinearExpr.sum(
+                model.add(total(
                     [e[i][j] for i in range(ku) if e[i][j] is not None]) == cv[j])
             for i in range(ku):
                 for j in range(kv):

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 
-from spmd.auto import AutoResult, InputInfo, score_result, search
+from spmd.auto import SCORE_TIME_LIMIT, AutoResult, InputInfo, score_result, search
 from spmd.errors import PlanError, warn
 from spmd.graph import Graph, build_graph
 from spmd.manual import ManualMethod, applicable_methods, leaf_spec, manual_specs
@@ -107,7 +107,7 @@ def score_manual(sig: StepSignature, mesh: DeviceMesh, method: str,
     specs = manual_specs(sig.leaves, method, mesh)
     return score_result(sig.jaxpr, _inputs(sig, mesh, options), mesh, specs,
                         output_aliases=sig.output_aliases,
-                        time_limit=min(options.time_limit, 10.0), graph=graph)
+                        time_limit=min(options.time_limit, SCORE_TIME_LIMIT), graph=graph)
 
 
 def auto_plan(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions) -> Plan:

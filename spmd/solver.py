@@ -133,14 +133,19 @@ def solve(request: SolverRequest) -> SolverResult:
             if _admissible(request, prob, seed, value):
                 scored.append((value, i, seed))
                 scored.sort()
-    if scored and _within_gap(scored[0][0], dual.bound):
-        # No plan is better by more than GAP: CP-SAT could only confirm it.
+
+    def best_seed(timed_out: bool, stalled: bool = False, built=None) -> SolverResult:
+        """The best seed as the answer, bounded by diffusion (CP-SAT skipped or no better)."""
         value, _, choice = scored[0]
-        return SolverResult(
-            choice, value, min(dual.bound, value),
-            "optimal" if _within_gap(value, dual.bound, 1e-9) else "feasible",
-            time.perf_counter() - start, sum(len(u) for u in prob.unary), 0,
-            timed_out=False, stalled=False, bound_from="diffusion")
+        status = "optimal" if _within_gap(value, dual.bound, 1e-9) else "feasible"
+        size = (built.num_variables, built.num_constraints) if built else (
+            sum(len(u) for u in prob.unary), 0)
+        return SolverResult(choice, value, min(dual.bound, value), status,
+                            time.perf_counter() - start, *size, timed_out=timed_out,
+                            stalled=stalled, bound_from="diffusion")
+
+    if scored and _within_gap(scored[0][0], dual.bound):
+        return best_seed(timed_out=False)  # no plan is better by more than GAP
     hint = scored[0][2] if scored else dual.choice
     try:
         # Writing the model counts against the limit (a large one outlasted it), unless no
@@ -148,10 +153,7 @@ def solve(request: SolverRequest) -> SolverResult:
         built = _build(request, prob, scaled, with_memory=True, objective=True, hint=hint,
                        deadline=start + (1 - SOLVE_SHARE) * limit if scored else None)
     except OutOfTime:
-        value, _, choice = scored[0]
-        return SolverResult(choice, value, min(dual.bound, value), "feasible",
-                            time.perf_counter() - start, sum(len(u) for u in prob.unary), 0,
-                            timed_out=True, stalled=False, bound_from="diffusion")
+        return best_seed(timed_out=True)
     remaining = max(request.time_limit - (time.perf_counter() - start), 0.05 * request.time_limit)
     status, solver, stalled = _run(built.model, remaining, _stall_seconds(request.time_limit),
                                    offset=scaled.offset * scaled.scale)
@@ -162,10 +164,7 @@ def solve(request: SolverRequest) -> SolverResult:
             raise PlanError(
                 f"solver found no assignment within time_limit={request.time_limit:g} s "
                 f"({built.num_variables} variables); raise the time limit or pass a warm_start")
-        value, _, choice = scored[0]
-        return SolverResult(choice, value, min(dual.bound, value), "feasible",
-                            time.perf_counter() - start, built.num_variables,
-                            built.num_constraints, not stalled, stalled, "diffusion")
+        return best_seed(timed_out=not stalled, stalled=stalled, built=built)
     choice = built.read(solver)
     value = evaluate(request, choice)
     if scored and scored[0][0] < value:  # rounding can hide a slightly better seed
