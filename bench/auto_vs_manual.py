@@ -148,7 +148,7 @@ def run_case(model_name: str, mesh_name: str, time_limit: float, steps: int) -> 
 
     import spmd
     from spmd.manual import applicable_methods, manual_specs
-    from spmd.search import SearchOptions
+    from spmd.planner import SearchOptions
 
     devices, _, runnable = MESHES[mesh_name]
     mesh = _build_mesh(mesh_name)

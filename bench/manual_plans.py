@@ -91,7 +91,7 @@ def bench_one(spec, initial: "Initial", method: str, mesh, steps: int) -> dict[s
     from flax import nnx
 
     import spmd
-    from spmd.analyze import groups_to_mesh_axes
+    from spmd.analysis.report import groups_to_mesh_axes
 
     step = spmd.parallelize(spec.train_step, mesh=mesh, method=method)
     plan = step.plan_for(initial.abstract_model, initial.abstract_opt, initial.batch)

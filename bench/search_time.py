@@ -96,10 +96,10 @@ def run_depth(layers: int, time_limit: float | None) -> dict[str, Any]:
 
     import models
     import spmd
-    import spmd.auto
-    import spmd.problem
-    import spmd.search
-    from spmd.search import SearchOptions
+    import spmd.search.intra_op
+    import spmd.search.costgraph
+    import spmd.planner
+    from spmd.planner import SearchOptions
 
     mesh = spmd.load_mesh(common.REPO_ROOT / MESH, virtual=True)
     spec = models.get("gpt-tiny").with_config(num_layers=layers)

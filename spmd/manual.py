@@ -12,9 +12,9 @@ import dataclasses
 from typing import Mapping, Sequence
 
 from spmd.errors import PlanError
-from spmd.mesh import DeviceMesh
+from spmd.cluster.mesh import DeviceMesh
 from spmd.sharding import Spec, replicated
-from spmd.signature import Leaf
+from spmd.trace.signature import Leaf
 
 ALL = "*"  # every axis of the mesh, outer to inner
 Rules = Mapping[str, tuple[str, ...]]

@@ -13,9 +13,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from spmd.mesh import DeviceMesh
+from spmd.cluster.mesh import DeviceMesh
 from spmd.sharding import Spec, bytes_per_device, format_spec, to_partition_spec
-from spmd.signature import Leaf, StepSignature
+from spmd.trace.signature import Leaf, StepSignature
 
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                     "collective-permute")

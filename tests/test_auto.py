@@ -14,11 +14,11 @@ import optax
 import pytest
 from jax.sharding import NamedSharding
 
-from spmd.analyze import analyze_hlo_text
-from spmd.apply import constrained
-from spmd.auto import AutoResult, InputInfo, score, score_result, search
+from spmd.analysis.report import analyze_hlo_text
+from spmd.runtime.constrain import constrained
+from spmd.search.intra_op import AutoResult, InputInfo, score, score_result, search
 from spmd.errors import InfeasibleError
-from spmd.mesh import make_mesh
+from spmd.cluster.mesh import make_mesh
 from spmd.sharding import replicated, to_partition_spec
 
 

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 import spmd
-from spmd.analyze import analyze_hlo_text
-from spmd.apply import constrained
-from spmd.auto import InputInfo, search
-from spmd.mesh import make_mesh
+from spmd.analysis.report import analyze_hlo_text
+from spmd.runtime.constrain import constrained
+from spmd.search.intra_op import InputInfo, search
+from spmd.cluster.mesh import make_mesh
 from spmd.sharding import to_partition_spec
 
 
@@ -41,8 +41,8 @@ def test_zero_plan_is_scored():
     one choice)."""
     import models
     from flax import nnx
-    from spmd.search import SearchOptions, score_manual
-    from spmd.signature import StepSignature
+    from spmd.planner import SearchOptions, score_manual
+    from spmd.trace.signature import StepSignature
 
     spec = models.get("mlp-tiny")
 
@@ -149,9 +149,9 @@ def test_every_consumer_of_a_resharded_value_is_constrained():
     25 unplanned all-gathers of the whole activation, 58% more bytes than predicted)."""
     import models
     from flax import nnx
-    from spmd.graph import build_graph, operand_key
-    from spmd.search import SearchOptions, score_manual
-    from spmd.signature import StepSignature
+    from spmd.trace.graph import build_graph, operand_key
+    from spmd.planner import SearchOptions, score_manual
+    from spmd.trace.signature import StepSignature
 
     spec = models.get("gpt-tiny")
 

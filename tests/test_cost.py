@@ -9,8 +9,8 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from spmd.cost import Collective, CostModel
-from spmd.mesh import make_mesh
+from spmd.cost.time import Collective, CostModel
+from spmd.cluster.mesh import make_mesh
 from spmd.sharding import from_partition_spec
 
 GB = 1e9

@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from spmd.graph import build_graph, eval_jaxpr_with
+from spmd.trace.graph import build_graph, eval_jaxpr_with
 
 
 def _prims(graph):

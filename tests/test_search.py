@@ -124,7 +124,7 @@ def test_auto_never_returns_a_plan_predicted_slower_than_a_hand_written_one(monk
     hand-written plan, that plan (its inputs, intermediates chosen by the ILP) is returned."""
     import dataclasses
 
-    import spmd.search as search_mod
+    import spmd.planner as search_mod
 
     real = search_mod.search
 

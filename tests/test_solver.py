@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from spmd.errors import InfeasibleError, PlanError
-from spmd.solver import (GAP, SolverRequest, evaluate, memory_peak, rescale, solve,
+from spmd.solver.driver import (GAP, SolverRequest, evaluate, memory_peak, rescale, solve,
                          validate)
 
 INF = float("inf")
@@ -140,8 +140,8 @@ def test_memory_budget_forces_smaller_strategy():
 
 
 def test_only_liveness_sets_that_can_exceed_the_budget_become_constraints():
-    from spmd.cpsat import _build
-    from spmd.solver_request import _reduce
+    from spmd.solver.cpsat import _build
+    from spmd.solver.request import _reduce
 
     # set {0, 1} fits 10e9 even at its largest (8e9 + 1e9): no terms; set {1, 2} can
     # exceed it (1e9 + 16e9) and must push node 2 to its small strategy.
@@ -185,17 +185,17 @@ def test_warm_start_and_time_out_paths():
 def test_a_model_not_written_in_time_leaves_the_best_seed_timed_out(monkeypatch):
     """Writing the CP-SAT model counts against the limit: past its deadline the best seed
     is returned, marked timed out, instead of solving beyond the limit."""
-    import spmd.cpsat
-    import spmd.solver
+    import spmd.solver.cpsat
+    import spmd.solver.driver
 
     req = _random_request(n=300, edges=450, seed=5, time_limit=0.5)
-    prob = spmd.solver._reduce(req)
+    prob = spmd.solver.request._reduce(req)
     scaled = rescale(prob.unary, prob.pairs, [c for c, _ in prob.charges])
-    with pytest.raises(spmd.cpsat.OutOfTime):
-        spmd.cpsat._build(req, prob, scaled, with_memory=True, objective=True,
+    with pytest.raises(spmd.solver.cpsat.OutOfTime):
+        spmd.solver.cpsat._build(req, prob, scaled, with_memory=True, objective=True,
                           deadline=time.perf_counter() - 1)
-    monkeypatch.setattr(spmd.solver, "GAP", 0.0)  # no seed may end the search early
-    monkeypatch.setattr(spmd.solver, "SOLVE_SHARE", 1.0)  # the model is due at the start
+    monkeypatch.setattr(spmd.solver.driver, "GAP", 0.0)  # no seed may end the search early
+    monkeypatch.setattr(spmd.solver.driver, "SOLVE_SHARE", 1.0)  # the model is due at the start
     res = solve(req)
     assert res.timed_out and not res.stalled and res.num_constraints == 0
     assert res.objective == pytest.approx(evaluate(req, res.choice))
@@ -300,8 +300,8 @@ def test_local_search_moves_tied_chains_and_repairs_a_warm_start():
     """Three nodes that must agree (``inf`` off the diagonal): switching one or two of them is
     forbidden, so greedy and pairwise moves stay at cost 3; the spanning-tree dynamic program
     moves the chain at once to the optimum 2. A forbidden warm start is repaired the same way."""
-    from spmd.local_search import _local_search
-    from spmd.solver_request import _reduce
+    from spmd.solver.local_search import _local_search
+    from spmd.solver.request import _reduce
 
     tie = [[0.0, INF], [INF, 0.0]]
     req = request([[0.0, 1.0], [0.0, 1.0], [3.0, 0.0]], edges=[(0, 1), (1, 2)],
@@ -321,9 +321,9 @@ def test_min_sum_seed_sees_a_choice_that_pays_off_far_downstream():
     escapes (a chain moved alone still mismatches the skip edges: 2 x 1 per rung, while the
     last node's preference is 1.5), the trap of the token embedding's tie on gpt-1.3b.
     Messages carry the last node's preference back to the tie: all 1, cost 0."""
-    from spmd.local_search import _local_search
-    from spmd.min_sum import min_sum_seed
-    from spmd.solver_request import _reduce
+    from spmd.solver.local_search import _local_search
+    from spmd.solver.min_sum import min_sum_seed
+    from spmd.solver.request import _reduce
 
     n = 12
     mismatch = [[0.0, 1.0], [1.0, 0.0]]
@@ -341,8 +341,8 @@ def test_min_sum_seed_sees_a_choice_that_pays_off_far_downstream():
 def test_diffusion_bounds_every_plan_and_proves_trees_optimal():
     """The bound is below the brute-force optimum on graphs with cycles and forbidden pairs,
     and meets it on a tree (where the LP relaxation is exact), which then needs no CP-SAT."""
-    from spmd.min_sum import min_sum_seed
-    from spmd.solver_request import _reduce
+    from spmd.solver.min_sum import min_sum_seed
+    from spmd.solver.request import _reduce
 
     rng = np.random.default_rng(3)
     for trial in range(6):

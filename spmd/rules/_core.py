@@ -22,8 +22,8 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from spmd.cost import Collective, CostModel
-from spmd.mesh import DeviceMesh, make_mesh
+from spmd.cost.time import Collective, CostModel
+from spmd.cluster.mesh import DeviceMesh, make_mesh
 from spmd.sharding import Spec, all_specs, is_valid, replicated, shard_shape
 
 Shape = tuple[int, ...]

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from spmd.cost import COLLECTIVE_KINDS
+from spmd.cost.time import COLLECTIVE_KINDS
 
 __all__ = [
     "COLLECTIVE_KINDS",

@@ -49,12 +49,12 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from spmd import rules as _rules
-from spmd.cost import CostModel
+from spmd.cost.time import CostModel
 from spmd.errors import PlanError
-from spmd.graph import Graph, Value
-from spmd.mesh import DeviceMesh
+from spmd.trace.graph import Graph, Value
+from spmd.cluster.mesh import DeviceMesh
 from spmd.sharding import Spec, all_specs, bytes_per_device, format_spec, is_valid, replicated
-from spmd.solver import SolverRequest
+from spmd.solver.driver import SolverRequest
 
 __all__ = ["InputInfo", "Problem"]
 

@@ -1,7 +1,7 @@
 """The solver's fast local search: a complete, feasible seed for CP-SAT in under a second.
 
 Exact min-sum dynamic programs over spanning trees of the group graph plus coordinate
-descent, run by ``spmd.solver.solve`` from several starts; the best plan found is CP-SAT's
+descent, run by ``spmd.solver.driver`` from several starts; the best plan found is CP-SAT's
 hint and the fallback when CP-SAT finds nothing in its time limit.
 """
 
@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-from spmd.solver_request import _Problem
+from spmd.solver.request import _Problem
 
 
 def _local_search(prob: _Problem, deadline: float, sweeps: int = 60,

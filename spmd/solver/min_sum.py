@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from spmd.solver_request import _Problem
+from spmd.solver.request import _Problem
 
 #: decode a plan (and read the bound) every this many forward-and-backward sweeps
 CHECK_EVERY = 5

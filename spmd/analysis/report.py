@@ -50,8 +50,8 @@ import dataclasses
 import io
 from typing import Any
 
-from spmd.cost import Collective, CostModel
-from spmd.hlo import (
+from spmd.cost.time import Collective, CostModel
+from spmd.analysis.hlo import (
     COLLECTIVE_KINDS,
     CollectiveOp,
     collective_ops,

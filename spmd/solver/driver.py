@@ -44,11 +44,11 @@ from typing import Sequence
 
 import numpy as np
 
-from spmd.cpsat import OutOfTime, Scaled, _build, _memory_unit, _run, _stall_seconds, rescale
+from spmd.solver.cpsat import OutOfTime, Scaled, _build, _memory_unit, _run, _stall_seconds, rescale
 from spmd.errors import InfeasibleError, PlanError
-from spmd.local_search import _local_search
-from spmd.min_sum import min_sum_seed
-from spmd.solver_request import (SolverRequest, SolverResult, _Problem, _reduce, evaluate,
+from spmd.solver.local_search import _local_search
+from spmd.solver.min_sum import min_sum_seed
+from spmd.solver.request import (SolverRequest, SolverResult, _Problem, _reduce, evaluate,
                                  memory_peak, validate)
 
 __all__ = [

@@ -10,14 +10,14 @@ from typing import Any, Callable, Iterator, Sequence
 import jax
 from flax import nnx
 
-from spmd.apply import constrained
+from spmd.runtime.constrain import constrained
 from spmd.errors import PlanError
 from spmd.manual import METHODS, manual_specs
-from spmd.search import SearchOptions, auto_plan, score_manual
-from spmd.mesh import DeviceMesh
+from spmd.planner import SearchOptions, auto_plan, score_manual
+from spmd.cluster.mesh import DeviceMesh
 from spmd.plan import Plan
 from spmd.sharding import Spec, replicated
-from spmd.signature import StepSignature, flatten_step_args
+from spmd.trace.signature import StepSignature, flatten_step_args
 
 
 def _output_specs(sig: StepSignature, input_specs: Sequence[Spec]) -> list[Spec | None]:

@@ -27,7 +27,7 @@ from typing import Sequence
 
 import numpy as np
 
-from spmd.solver_request import SolverRequest, _Problem
+from spmd.solver.request import SolverRequest, _Problem
 
 __all__ = ["Scaled", "FORBIDDEN", "rescale"]
 

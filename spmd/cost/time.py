@@ -43,7 +43,7 @@ against compiled HLO on 8 CPU devices in tests/test_cost.py), in this order of r
    away (``(-, (model, data)) -> (model, -)``): XLA rematerializes that (rule 6);
 6. otherwise XLA's "involuntary full rematerialization": all-gather everything, then slice.
 
->>> from spmd.mesh import make_mesh
+>>> from spmd.cluster.mesh import make_mesh
 >>> cm = CostModel(make_mesh({"data": 2, "model": 4}, bandwidth=100e9, latency=0.0))
 >>> t, cs = cm.reshard((16, 32), "float32", (("data",), ()), ((), ()))
 >>> cs
@@ -60,7 +60,7 @@ from typing import Sequence
 
 import numpy as np
 
-from spmd.mesh import DeviceMesh
+from spmd.cluster.mesh import DeviceMesh
 from spmd.sharding import Spec
 
 __all__ = ["COLLECTIVE_KINDS", "COMBINED_KINDS", "Collective", "CostModel"]
@@ -181,7 +181,7 @@ class CostModel:
         of one another: those of a kind in ``COMBINED_KINDS`` pay their bandwidth each and one
         latency per (kind, axes); the others are priced alone.
 
-        >>> from spmd.mesh import make_mesh
+        >>> from spmd.cluster.mesh import make_mesh
         >>> cm = CostModel(make_mesh({"data": 2}, bandwidth=1e9, latency=1e-5))
         >>> t, n = cm.combined([Collective("all-reduce", ("data",), 1000.0)] * 3)
         >>> n, round(t * 1e6, 3)  # 3 x 1 us of bandwidth, one 10 us latency
@@ -220,7 +220,7 @@ class CostModel:
         locally, and that is what is predicted there (and on a virtual mesh, which compiles
         on CPU devices).
 
-        >>> from spmd.mesh import make_mesh
+        >>> from spmd.cluster.mesh import make_mesh
         >>> cm = CostModel(make_mesh({"data": 2, "model": 4}))
         >>> cm.partial_sum((8, 16), "float32", ((), ()), ("model",))[1]
         (Collective(kind='all-reduce', axes=('model',), bytes=512.0),)

@@ -8,7 +8,7 @@ checkpoint keeps its optimization barrier), so the keys of ``AutoResult.constrai
 reshard point) name the same values here.
 
 >>> import jax, jax.numpy as jnp
->>> from spmd.mesh import make_mesh
+>>> from spmd.cluster.mesh import make_mesh
 >>> cj = jax.make_jaxpr(lambda w, x: x @ w)(jnp.ones((4, 8)), jnp.ones((2, 4)))
 >>> f = constrained(cj, {"eqn 0 out 0": ((), ("model",))}, make_mesh({"model": 1}, virtual=True))
 >>> f(jnp.ones((4, 8)), jnp.ones((2, 4)))[0].shape
@@ -22,8 +22,8 @@ from typing import Any, Callable, Mapping
 import jax
 from jax.sharding import NamedSharding
 
-from spmd.graph import eval_jaxpr_with, operand_key, value_key
-from spmd.mesh import DeviceMesh
+from spmd.trace.graph import eval_jaxpr_with, operand_key, value_key
+from spmd.cluster.mesh import DeviceMesh
 from spmd.sharding import Spec, to_partition_spec
 
 

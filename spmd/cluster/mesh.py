@@ -18,7 +18,7 @@ from typing import Any, Mapping
 import yaml
 
 from spmd.errors import MeshError
-from spmd.hardware import DeviceSpec, device_spec
+from spmd.cluster.hardware import DeviceSpec, device_spec
 
 PLATFORMS = ("cpu", "gpu")
 _TOP_KEYS = {

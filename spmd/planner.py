@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import Any, Mapping
 
 
-from spmd.auto import SCORE_TIME_LIMIT, AutoResult, InputInfo, score_result, search
+from spmd.search.intra_op import SCORE_TIME_LIMIT, AutoResult, InputInfo, score_result, search
 from spmd.errors import PlanError, warn
-from spmd.graph import Graph, build_graph
+from spmd.trace.graph import Graph, build_graph
 from spmd.manual import ManualMethod, applicable_methods, leaf_spec, manual_specs
-from spmd.mesh import DeviceMesh
+from spmd.cluster.mesh import DeviceMesh
 from spmd.plan import FORMAT_VERSION, Plan
-from spmd.signature import StepSignature
+from spmd.trace.signature import StepSignature
 
 CACHE_ENV = "SPMD_CACHE_DIR"
 

@@ -20,12 +20,12 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from spmd import rules as _rules
-from spmd.cost import COLLECTIVE_KINDS, Collective, CostModel
-from spmd.graph import Graph, Value, build_graph, operand_key, value_key
-from spmd.mesh import DeviceMesh
-from spmd.problem import InputInfo, Problem, _dtype, _nbytes
+from spmd.cost.time import COLLECTIVE_KINDS, Collective, CostModel
+from spmd.trace.graph import Graph, Value, build_graph, operand_key, value_key
+from spmd.cluster.mesh import DeviceMesh
+from spmd.search.costgraph import InputInfo, Problem, _dtype, _nbytes
 from spmd.sharding import Spec, replicated
-from spmd.solver import SolverRequest, SolverResult, solve
+from spmd.solver.driver import SolverRequest, SolverResult, solve
 
 __all__ = ["AutoResult", "InputInfo", "Prediction", "score", "search"]
 
@@ -217,7 +217,7 @@ def search(closed_jaxpr, inputs: Sequence[InputInfo], mesh: DeviceMesh, *,
       InfeasibleError: no plan fits the memory budget.
 
     >>> import jax, jax.numpy as jnp
-    >>> from spmd.mesh import make_mesh
+    >>> from spmd.cluster.mesh import make_mesh
     >>> f = lambda w, x: jnp.tanh(x @ w).sum()
     >>> cj = jax.make_jaxpr(f)(jnp.ones((64, 64)), jnp.ones((512, 64)))
     >>> res = search(cj, [InputInfo("w", (64, 64), "float32", "param"),

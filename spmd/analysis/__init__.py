@@ -1,0 +1,2 @@
+"""What XLA emitted for a compiled step: its optimized HLO parsed (``hlo``) and reported
+(``report``)."""

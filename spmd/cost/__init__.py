@@ -1,0 +1,1 @@
+"""What a plan costs: collective, resharding and compute times (``time``)."""

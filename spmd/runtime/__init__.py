@@ -1,0 +1,1 @@
+"""Running a plan: sharding constraints inside the step (``constrain``)."""

@@ -1,0 +1,2 @@
+"""The user's step as a program: made pure and flat (``signature``), turned into an op graph
+(``graph``)."""
