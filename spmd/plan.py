@@ -14,11 +14,10 @@ from typing import Any, Mapping
 import numpy as np
 
 from spmd.cluster.mesh import DeviceMesh
+from spmd.cost.partitioner import COLLECTIVE_KINDS
 from spmd.sharding import Spec, bytes_per_device, format_spec, to_partition_spec
 from spmd.trace.signature import Leaf, StepSignature
 
-COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
-                    "collective-permute")
 FORMAT_VERSION = 1
 
 

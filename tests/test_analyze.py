@@ -233,7 +233,8 @@ def test_comm_time_prices_each_collective_over_its_mesh_axes():
     """The HLO's collectives priced by the cost model: groups {0..3},{4..7} are the `model`
     axis of a 2x4 mesh, {0..7} (or `{}`) both axes; the collective-permute has pairs, not
     groups, and is reported unpriced."""
-    from spmd.cost.time import Collective, CostModel
+    from spmd.cost.partitioner import Collective
+    from spmd.cost.time import CostModel
     from spmd.cluster.mesh import make_mesh
 
     mesh = make_mesh({"data": 2, "model": 4}, bandwidth=10e9, latency=1e-5, virtual=True)

@@ -7,7 +7,8 @@ import numpy as np
 import optax
 import pytest
 
-from spmd.trace.graph import build_graph, eval_jaxpr_with
+from spmd.trace.graph import build_graph
+from spmd.trace.interpret import eval_jaxpr_with
 
 
 def _prims(graph):

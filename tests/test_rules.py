@@ -17,7 +17,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 
 from spmd.analysis.report import analyze_hlo_text, groups_to_mesh_axes
-from spmd.cost.time import Collective
+from spmd.cost.partitioner import Collective
 from spmd.cluster.mesh import make_mesh
 from spmd.rules import (
     REGISTRY, Op, RuleContext, Strategy, has_rule, is_follower, strategies,

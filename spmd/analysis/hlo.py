@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from spmd.cost.time import COLLECTIVE_KINDS
+from spmd.cost.partitioner import COLLECTIVE_KINDS
 
 __all__ = [
     "COLLECTIVE_KINDS",
@@ -27,7 +27,7 @@ __all__ = [
     "shape_bytes",
 ]
 
-# COLLECTIVE_KINDS (spmd.cost) are always present in Report.collectives, in that order.
+# COLLECTIVE_KINDS (spmd.cost.partitioner) are always present in Report.collectives, in that order.
 _EXTRA_KINDS = ("ragged-all-to-all", "collective-broadcast")
 _ALL_KINDS = COLLECTIVE_KINDS + _EXTRA_KINDS
 

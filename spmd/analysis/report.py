@@ -50,7 +50,8 @@ import dataclasses
 import io
 from typing import Any
 
-from spmd.cost.time import Collective, CostModel
+from spmd.cost.partitioner import Collective
+from spmd.cost.time import CostModel
 from spmd.analysis.hlo import (
     COLLECTIVE_KINDS,
     CollectiveOp,

@@ -1,1 +1,2 @@
-"""What a plan costs: collective, resharding and compute times (``time``)."""
+"""What a plan costs: which collectives XLA emits (``partitioner``, no seconds) and what they
+and the compute take (``time``)."""

@@ -20,7 +20,6 @@ cond).
 from spmd.rules._core import (
     MAX_STRATEGIES as MAX_STRATEGIES,
     REGISTRY as REGISTRY,
-    Op as Op,
     Rule as Rule,
     RuleContext as RuleContext,
     RuleEntry as RuleEntry,
@@ -33,6 +32,7 @@ from spmd.rules._core import (
     spec_name as spec_name,
     strategies as strategies,
 )
+from spmd.trace.graph import Op as Op
 from spmd.rules import (  # noqa: F401  (imported for their registrations)
     broadcast, conv, dot_general, elementwise, indexing, loop, reduce, window,
 )

@@ -22,55 +22,15 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from spmd.cost.time import Collective, CostModel
 from spmd.cluster.mesh import DeviceMesh, make_mesh
+from spmd.cost.partitioner import Collective, Partitioner
 from spmd.sharding import Spec, all_specs, is_valid, replicated, shard_shape
+from spmd.trace.graph import Op
 
 Shape = tuple[int, ...]
 
 #: Default bound on the strategies of one op (the solver's size grows with it).
 MAX_STRATEGIES = 60
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Op:
-    """One primitive application, as the graph builder hands it over.
-
-    ``params`` are the equation's params (they may hold jaxprs, so an ``Op`` is compared by
-    identity and not hashed by value).
-
-    >>> import jax, jax.numpy as jnp
-    >>> eqn = jax.make_jaxpr(jnp.tanh)(jnp.zeros((4, 8))).eqns[0]
-    >>> op = Op.from_eqn(eqn)
-    >>> op.primitive, op.in_shapes, op.out_shapes
-    ('tanh', ((4, 8),), ((4, 8),))
-    """
-
-    primitive: str
-    params: Mapping[str, Any]
-    in_shapes: tuple[Shape, ...]
-    in_dtypes: tuple[Any, ...]
-    out_shapes: tuple[Shape, ...]
-    out_dtypes: tuple[Any, ...]
-
-    @classmethod
-    def from_eqn(cls, eqn: Any) -> "Op":
-        """Build from a ``jax.core.JaxprEqn`` (literals and tokens included)."""
-
-        def shape(v: Any) -> Shape:
-            return tuple(int(d) for d in getattr(v.aval, "shape", ()))
-
-        def dtype(v: Any) -> Any:
-            return getattr(v.aval, "dtype", None)
-
-        return cls(
-            primitive=eqn.primitive.name,
-            params=dict(eqn.params),
-            in_shapes=tuple(shape(v) for v in eqn.invars),
-            in_dtypes=tuple(dtype(v) for v in eqn.invars),
-            out_shapes=tuple(shape(v) for v in eqn.outvars),
-            out_dtypes=tuple(dtype(v) for v in eqn.outvars),
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +62,7 @@ class RuleContext:
     """What rules need to know about the mesh, plus per-shape caches.
 
     Accepts a :class:`spmd.mesh.DeviceMesh` or a plain ``{axis: size}`` mapping (mesh order;
-    it becomes a virtual CPU mesh). ``cost`` defaults to ``CostModel(mesh)``.
+    it becomes a virtual CPU mesh). ``partitioner`` defaults to ``Partitioner(mesh)``.
 
     >>> ctx = RuleContext({"data": 2, "model": 4, "pipe": 1})
     >>> ctx.axes, ctx.size(("data", "model"))
@@ -110,13 +70,13 @@ class RuleContext:
     """
 
     def __init__(self, mesh: Any, max_strategies: int = MAX_STRATEGIES, max_axes_per_dim: int = 2,
-                 cost: CostModel | None = None,
+                 partitioner: Partitioner | None = None,
                  required: Mapping[Shape, Iterable[Spec]] | None = None):
         if not isinstance(mesh, DeviceMesh):
             mesh = make_mesh({str(k): int(v) for k, v in dict(mesh).items()}, virtual=True)
         self.mesh: DeviceMesh = mesh
-        #: the cost model that says which collectives finish a partial result on this mesh
-        self.cost = cost if cost is not None else CostModel(mesh)
+        #: which collectives finish a partial result on this mesh
+        self.partitioner = partitioner if partitioner is not None else Partitioner(mesh)
         self.mesh_shape: dict[str, int] = dict(mesh.shape)
         #: mesh axes that can split anything (size > 1), in mesh order
         self.axes: tuple[str, ...] = tuple(a for a, n in self.mesh_shape.items() if n > 1)
@@ -201,7 +161,7 @@ class RuleContext:
         looked-up), the axes splitting it. XLA finishes each such dim with its own
         collective (checked in tests/test_rules.py: two contracting dims split on ``data``
         and ``model`` give two all-reduces, one dim split on both gives one), so each group
-        is one call of the cost model, which picks the platform's collective: an
+        is one call of the partitioner, which picks the platform's collective: an
         all-reduce, or a reduce-scatter for the axes ``out_spec`` also splits on.
 
         >>> RuleContext({"model": 4}).partial_sum((8, 16), "float32", ((), ()), [("model",)])
@@ -210,7 +170,7 @@ class RuleContext:
         out: list[Collective] = []
         for axes in groups:
             if axes:
-                out.extend(self.cost.partial_sum(shape, dtype, out_spec, self.ordered(axes))[1])
+                out.extend(self.partitioner.partial_sum(shape, dtype, out_spec, self.ordered(axes)))
         return tuple(out)
 
 

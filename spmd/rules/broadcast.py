@@ -11,8 +11,9 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from spmd.rules._core import Op, RuleContext, Strategy, UnsupportedPattern, make, register
+from spmd.rules._core import RuleContext, Strategy, UnsupportedPattern, make, register
 from spmd.sharding import Spec
+from spmd.trace.graph import Op
 
 
 def _extra_inputs(op: Op) -> tuple[Spec, ...]:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import math
 
-from spmd.rules._core import Op, RuleContext, Strategy, UnsupportedPattern, make, register
+from spmd.rules._core import RuleContext, Strategy, UnsupportedPattern, make, register
+from spmd.trace.graph import Op
 
 
 def conv_strategies(op: Op, ctx: RuleContext) -> list[Strategy]:

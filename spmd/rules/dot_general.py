@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import math
 
-from spmd.rules._core import Op, RuleContext, Strategy, UnsupportedPattern, make, register, used
+from spmd.rules._core import RuleContext, Strategy, UnsupportedPattern, make, register, used
 from spmd.sharding import Spec
+from spmd.trace.graph import Op
 
 
 def dot_general_strategies(op: Op, ctx: RuleContext) -> list[Strategy]:

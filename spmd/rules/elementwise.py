@@ -11,9 +11,8 @@ operand instead of giving them their own solver variable.
 
 from __future__ import annotations
 
-from spmd.rules._core import (
-    Op, RuleContext, Strategy, UnsupportedPattern, local_size, make, register,
-)
+from spmd.rules._core import RuleContext, Strategy, UnsupportedPattern, local_size, make, register
+from spmd.trace.graph import Op
 
 UNARY = (
     "abs", "acos", "acosh", "asin", "asinh", "atan", "atanh", "bessel_i0e", "bessel_i1e",

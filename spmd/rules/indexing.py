@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import math
 
-from spmd.rules._core import (
-    Op, RuleContext, Strategy, UnsupportedPattern, local_size, make, register,
-)
+from spmd.rules._core import RuleContext, Strategy, UnsupportedPattern, local_size, make, register
 from spmd.sharding import Spec
+from spmd.trace.graph import Op
 
 
 # -- gather / scatter-add ---------------------------------------------------------------------

@@ -16,7 +16,8 @@ is resharded on the edge, once per iteration where the edge is inside the loop.
 
 from __future__ import annotations
 
-from spmd.rules._core import Op, RuleContext, Strategy, make, register
+from spmd.rules._core import RuleContext, Strategy, make, register
+from spmd.trace.graph import Op
 
 
 def carry_strategies(op: Op, ctx: RuleContext) -> list[Strategy]:

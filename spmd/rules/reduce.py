@@ -8,7 +8,8 @@ reduced dims stay unsplit; so do the scanned dims of ``cumsum`` and friends.
 
 from __future__ import annotations
 
-from spmd.rules._core import Op, RuleContext, Strategy, local_size, make, register
+from spmd.rules._core import RuleContext, Strategy, local_size, make, register
+from spmd.trace.graph import Op
 
 REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
               "reduce_or", "reduce_xor")

@@ -8,7 +8,8 @@ it would need halo exchange).
 
 from __future__ import annotations
 
-from spmd.rules._core import Op, RuleContext, Strategy, local_size, make, register
+from spmd.rules._core import RuleContext, Strategy, local_size, make, register
+from spmd.trace.graph import Op
 
 
 def _windowed_dims(params, ndim: int) -> list[int]:

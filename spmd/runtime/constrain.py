@@ -22,7 +22,8 @@ from typing import Any, Callable, Mapping
 import jax
 from jax.sharding import NamedSharding
 
-from spmd.trace.graph import eval_jaxpr_with, operand_key, value_key
+from spmd.trace.graph import operand_key, value_key
+from spmd.trace.interpret import eval_jaxpr_with
 from spmd.cluster.mesh import DeviceMesh
 from spmd.sharding import Spec, to_partition_spec
 

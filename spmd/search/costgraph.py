@@ -182,7 +182,7 @@ class Problem:
         # Off the critical path XLA combines a kind's collectives into one: each pays its
         # bandwidth here, their shared latency once per plan (``_shared_latency``).
         return (self.cost.compute(s.flops, _dtype(n.op)) if s.flops else 0.0) + \
-            sum(self.cost.split(c)[0] if off_path and self.cost.combine_key(c)
+            sum(self.cost.split(c)[0] if off_path and self.cost.partitioner.combine_key(c)
                 else self.cost.time(c) for c in s.collectives)
 
     # -- followers -----------------------------------------------------------------------
@@ -390,7 +390,7 @@ class Problem:
             root = self.index[self.root[node]]
             for k, j in enumerate(self.fmap[node].tolist()):
                 for c in self.strats[node][j].collectives:
-                    key, lat = self.cost.combine_key(c), self.cost.latency(c)
+                    key, lat = self.cost.partitioner.combine_key(c), self.cost.latency(c)
                     if key is not None and lat > 0:
                         members[key].add((root, k))
                         latency[key] = lat

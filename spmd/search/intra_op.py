@@ -20,7 +20,8 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from spmd import rules as _rules
-from spmd.cost.time import COLLECTIVE_KINDS, Collective, CostModel
+from spmd.cost.partitioner import COLLECTIVE_KINDS, Collective
+from spmd.cost.time import CostModel
 from spmd.trace.graph import Graph, Value, build_graph, operand_key, value_key
 from spmd.cluster.mesh import DeviceMesh
 from spmd.search.costgraph import InputInfo, Problem, _dtype, _nbytes
@@ -149,7 +150,7 @@ def _predict(p: Problem, root_choice: list[int]) -> tuple[Prediction, dict[str, 
     summary = {k: [0, 0.0] for k in COLLECTIVE_KINDS}
     merged = set()  # count what XLA emits: one collective per combined (kind, axes)
     for i, c in enumerate(colls + combined):
-        key = cost.combine_key(c) if i >= len(colls) else None
+        key = cost.partitioner.combine_key(c) if i >= len(colls) else None
         row = summary.setdefault(c.kind, [0, 0.0])
         if key is None or key not in merged:
             row[0] += 1

@@ -19,8 +19,8 @@ Every graph input (a flattened argument of the step) and every constant is a nod
 kind ``"input"`` or ``"const"``; literals (Python scalars baked into an equation) are not
 nodes and have no edges. A node's *path* names its equation: ``(17,)`` is equation 17 of the
 top jaxpr, ``(17, 3)`` equation 3 of the jaxpr nested in equation 17 (inlined or a scan's
-body). ``eval_jaxpr_with`` evaluates the equations with the same paths, so the interpreter
-in ``spmd.apply`` and the graph agree on names.
+body). ``spmd.trace.interpret`` evaluates the equations with the same paths, so the
+sharding constraints of ``spmd.runtime.constrain`` and the graph agree on names.
 
 >>> import jax, jax.numpy as jnp
 >>> g = build_graph(jax.make_jaxpr(lambda w, x: jnp.tanh(x @ w))(jnp.ones((4, 2)), jnp.ones((3, 4))))
@@ -34,12 +34,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 from jax.extend import core as jcore
 
-from spmd.rules import Op
 
 # Primitive name -> the param holding the jaxpr to inline. Only primitives whose body runs
 # once, in place: the graph and the interpreter treat them as plain code.
@@ -60,6 +59,50 @@ INLINE_PARAMS: dict[str, tuple[str, ...]] = {
 SCAN = "scan"
 
 Path = tuple[int | str, ...]
+Shape = tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Op:
+    """One primitive application, as the graph builder hands it over.
+
+    ``params`` are the equation's params (they may hold jaxprs, so an ``Op`` is compared by
+    identity and not hashed by value).
+
+    >>> import jax, jax.numpy as jnp
+    >>> eqn = jax.make_jaxpr(jnp.tanh)(jnp.zeros((4, 8))).eqns[0]
+    >>> op = Op.from_eqn(eqn)
+    >>> op.primitive, op.in_shapes, op.out_shapes
+    ('tanh', ((4, 8),), ((4, 8),))
+    """
+
+    primitive: str
+    params: Mapping[str, Any]
+    in_shapes: tuple[Shape, ...]
+    in_dtypes: tuple[Any, ...]
+    out_shapes: tuple[Shape, ...]
+    out_dtypes: tuple[Any, ...]
+
+    @classmethod
+    def from_eqn(cls, eqn: Any) -> "Op":
+        """Build from a ``jax.core.JaxprEqn`` (literals and tokens included)."""
+
+        def shape(v: Any) -> Shape:
+            return tuple(int(d) for d in getattr(v.aval, "shape", ()))
+
+        def dtype(v: Any) -> Any:
+            return getattr(v.aval, "dtype", None)
+
+        return cls(
+            primitive=eqn.primitive.name,
+            params=dict(eqn.params),
+            in_shapes=tuple(shape(v) for v in eqn.invars),
+            in_dtypes=tuple(dtype(v) for v in eqn.invars),
+            out_shapes=tuple(shape(v) for v in eqn.outvars),
+            out_dtypes=tuple(dtype(v) for v in eqn.outvars),
+        )
+
+
 
 
 def inner_jaxpr(eqn) -> tuple[Any, Sequence[Any]] | None:
@@ -149,7 +192,7 @@ class Graph:
         return self.nodes[v.node].op.out_dtypes[v.index]
 
     def value_bytes(self, v: Value) -> int:
-        return _array_bytes(self.value_shape(v), self.value_dtype(v))
+        return array_bytes(self.value_shape(v), self.value_dtype(v))
 
     def size(self) -> dict[str, int]:
         ops = sum(1 for n in self.nodes if n.kind == "op")
@@ -275,97 +318,14 @@ def _name_stack(eqn) -> str:
         return ""
 
 
-def eval_jaxpr_with(jaxpr, consts: Sequence[Any], args: Sequence[Any],
-                    hook: Callable[[Path, Any, list[Any]], list[Any]],
-                    operand_hook: Callable[[Path, list[Any]], list[Any]] | None = None,
-                    path: Path = ()) -> list[Any]:
-    """Evaluate a jaxpr, inlining what ``build_graph`` inlines.
-
-    ``operand_hook(path, args)`` may replace an equation's operands before it runs and
-    ``hook(path, eqn, outs)`` its outputs after (the interpreter of ``spmd.apply``). A scan
-    runs as ``lax.scan`` over its body, evaluated the same way; its boundary pseudo-ops
-    (module docstring) get both hooks too, with ``eqn=None``.
-    """
-    import jax
-
-    env: dict[Any, Any] = {}
-
-    def read(atom):
-        return atom.val if isinstance(atom, jcore.Literal) else env[atom]
-
-    for var, c in zip(jaxpr.constvars, consts):
-        env[var] = c
-    for var, a in zip(jaxpr.invars, args):
-        env[var] = a
-    for i, eqn in enumerate(jaxpr.eqns):
-        here = path + (i,)
-        invals = [read(a) for a in eqn.invars]
-        inner = inner_jaxpr(eqn)
-        if inner is not None:
-            if eqn.primitive.name in ("remat", "remat2", "checkpoint"):
-                invals = _remat_barrier(eqn, invals, jax)
-            outs = eval_jaxpr_with(inner[0], inner[1], invals, hook, operand_hook, here)
-        elif eqn.primitive.name == SCAN:
-            outs = _eval_scan(eqn, invals, hook, operand_hook, here)
-        else:
-            if operand_hook is not None:
-                invals = operand_hook(here, invals)
-            outs = eqn.primitive.bind(*invals, **eqn.params)
-            outs = list(outs) if eqn.primitive.multiple_results else [outs]
-            outs = hook(here, eqn, outs)
-        for var, val in zip(eqn.outvars, outs):
-            env[var] = val
-    return [read(a) for a in jaxpr.outvars]
-
-
-def _eval_scan(eqn, invals: list[Any], hook, operand_hook, path: Path) -> list[Any]:
-    """One scan equation as ``lax.scan``, its body through ``eval_jaxpr_with``."""
-    import jax
-
-    params = eqn.params
-    body, nc, nk = params["jaxpr"], params["num_consts"], params["num_carry"]
-
-    def into(kind: str, k: int, x):  # a boundary pseudo-op's operand
-        return operand_hook(path + (kind, k), [x])[0] if operand_hook is not None else x
-
-    def out(kind: str, k: int, x):  # and its output
-        return hook(path + (kind, k), None, [x])[0]
-
-    def step(carry, xs):
-        carry = [out("carry", k, c) for k, c in enumerate(carry)]
-        xs = [out("xs", k, x) for k, x in enumerate(xs)]
-        outs = eval_jaxpr_with(body.jaxpr, body.consts, [*invals[:nc], *carry, *xs], hook,
-                               operand_hook, path)
-        outs = [jax.numpy.asarray(o, var.aval.dtype) if isinstance(var, jcore.Literal) else o
-                for o, var in zip(outs, body.jaxpr.outvars)]
-        new = [out("carry_out", k, into("carry_out", k, c)) for k, c in enumerate(outs[:nk])]
-        return new, [into("ys", k, y) for k, y in enumerate(outs[nk:])]
-
-    init = [out("carry", k, into("carry", k, c)) for k, c in enumerate(invals[nc:nc + nk])]
-    xs = [into("xs", k, x) for k, x in enumerate(invals[nc + nk:])]
-    carry, ys = jax.lax.scan(step, init, xs, length=params["length"], reverse=params["reverse"],
-                             unroll=params["unroll"])
-    return [*carry, *(out("ys", k, y) for k, y in enumerate(ys))]
-
-
-def _remat_barrier(eqn, invals: list[Any], jax) -> list[Any]:
-    """What remat's lowering does: an optimization barrier on the inputs of a differentiated
-    checkpoint, so XLA does not merge the recomputation with the forward pass."""
-    prevent = eqn.params.get("prevent_cse", True)
-    if not eqn.params.get("differentiated", False):
-        return invals
-    if isinstance(prevent, bool):
-        prevent = (prevent,) * len(invals)
-    idx = [i for i, p in enumerate(prevent) if p]
-    if not idx:
-        return invals
-    barred = jax.lax.optimization_barrier([invals[i] for i in idx])
-    out = list(invals)
-    for i, v in zip(idx, barred):
-        out[i] = v
-    return out
-
-
 @functools.lru_cache(maxsize=None)
-def _array_bytes(shape: tuple[int, ...], dtype) -> int:
-    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+def array_bytes(shape: tuple[int, ...], dtype) -> int:
+    """Bytes of an array; 0 for values that are not numeric arrays (tokens, typed PRNG keys:
+    their dtype is not a numpy one)."""
+    if dtype is None:
+        return 0
+    try:
+        itemsize = np.dtype(dtype).itemsize
+    except TypeError:
+        return 0
+    return int(np.prod(shape, dtype=np.int64)) * itemsize
