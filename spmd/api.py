@@ -1,22 +1,24 @@
-"""The entry points: ``plan`` a step on a mesh, ``parallelize`` it into a compiled callable."""
+"""The entry points: ``plan`` a step on a mesh, ``parallelize`` it into a compiled callable,
+``materialize`` its state directly into the plan's shardings."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
 from flax import nnx
 
-from spmd.runtime.constrain import constrained
+from spmd.cluster.mesh import DeviceMesh
 from spmd.errors import PlanError
 from spmd.manual import METHODS, manual_specs
-from spmd.planner import SearchOptions, auto_plan, score_manual
-from spmd.cluster.mesh import DeviceMesh
+from spmd.options import SearchOptions
 from spmd.plan import Plan
+from spmd.planner import plan_auto, score_manual
+from spmd.runtime.compile import Executable, prepare
 from spmd.sharding import Spec, replicated
+from spmd.timing import Stopwatch
 from spmd.trace.signature import StepSignature, flatten_step_args
 
 
@@ -51,16 +53,18 @@ def plan(step_fn: Callable, *example_args: Any, mesh: DeviceMesh, method: str = 
     ['P()', "P('data',)"]
     """
     _check_method(method)
+    timings = Stopwatch()
     with _old_heap_frozen():
-        sig = StepSignature(step_fn, example_args, logical_axes=logical_axes,
-                            batch_argnums=batch_argnums)
+        with timings.phase("trace"):
+            sig = StepSignature(step_fn, example_args, logical_axes=logical_axes,
+                                batch_argnums=batch_argnums)
         if method == "auto":
-            return auto_plan(sig, mesh, options or SearchOptions())
+            return plan_auto(sig, mesh, options or SearchOptions(), timings)
         input_specs = manual_specs(sig.leaves, method, mesh)
         result = Plan(method=method, mesh=mesh, leaves=sig.leaves, input_specs=input_specs,
                       output_specs=_output_specs(sig, input_specs), signature=sig)
         if options is not None and options.compare:  # scoring costs a solve: only when asked
-            result.prediction = score_manual(sig, mesh, method, options).prediction.to_dict()
+            result.prediction = score_manual(sig, mesh, method, options).prediction
         return result
 
 
@@ -86,17 +90,6 @@ def _check_method(method: str) -> None:
         raise PlanError(f"unknown method {method!r}; valid methods: auto, {', '.join(METHODS)}")
 
 
-@dataclasses.dataclass
-class _Prepared:
-    """What one argument structure needs per call: the plan, the jitted step, the flat input
-    shardings, and the compiled executable once ``compile`` made it."""
-
-    plan: Plan
-    jitted: Any
-    shardings: list
-    compiled: Any = None
-
-
 class ParallelStep:
     """A step compiled under a plan; planned on first use for each set of argument shapes.
 
@@ -115,7 +108,7 @@ class ParallelStep:
         self.batch_argnums = batch_argnums
         self.donate = donate
         self.options = options
-        self._prepared: dict[Any, _Prepared] = {}
+        self._prepared: dict[Any, Executable] = {}
         self._last: Plan | None = None
 
     @property
@@ -125,8 +118,8 @@ class ParallelStep:
                             "spmd.plan(step_fn, *args, mesh=..., method=...)")
         return self._last
 
-    def _prepare(self, args: Sequence[Any]) -> tuple[_Prepared, list[Any]]:
-        """The prepared step for these arguments, and their flat leaves (flattened once: the
+    def _prepare(self, args: Sequence[Any]) -> tuple[Executable, list[Any]]:
+        """The executable for these arguments, and their flat leaves (flattened once: the
         same leaves key the cache, as jax.jit's cache is keyed, and feed the call)."""
         leaves, treedef = flatten_step_args(args)
         key = (treedef, tuple((jax.numpy.shape(x), str(jax.numpy.result_type(x)))
@@ -135,18 +128,7 @@ class ParallelStep:
             p = plan(self.step_fn, *args, mesh=self.mesh, method=self.method,
                      logical_axes=self.logical_axes, batch_argnums=self.batch_argnums,
                      options=self.options)
-            sig = p.signature
-            donate = self.donate if self.donate is not None else sig.graphdef is not None
-            donated = tuple(sorted(set(sig.output_aliases.values()))) if donate else ()
-            fn = sig.flat_fn
-            if p.constraints:
-                run = constrained(p.jaxpr, p.constraints, p._sharding_mesh())
-                fn = lambda *flat: tuple(run(*flat))  # noqa: E731 (jit wants a tuple)
-            shardings = p.input_shardings_flat()
-            jitted = jax.jit(fn, in_shardings=tuple(shardings),
-                             out_shardings=tuple(p.output_shardings_flat()),
-                             donate_argnums=donated)
-            self._prepared[key] = _Prepared(p, jitted, shardings)
+            self._prepared[key] = prepare(p, self.donate)
         prepared = self._prepared[key]
         self._last = prepared.plan
         return prepared, leaves
@@ -156,33 +138,21 @@ class ParallelStep:
         return self._prepare(args)[0].plan
 
     def lower(self, *args: Any):
-        prepared, _ = self._prepare(args)
-        return prepared.jitted.lower(*prepared.plan.signature.in_avals)
+        return self._prepare(args)[0].lower()
 
     def compile(self, *args: Any):
         """Compile once and keep the executable: later calls with these shapes run it."""
-        prepared, _ = self._prepare(args)
-        if prepared.compiled is None:
-            prepared.compiled = self.lower(*args).compile()
-        return prepared.compiled
+        return self._prepare(args)[0].compile()
 
     def place(self, *args: Any) -> list[Any]:
         """The flat leaves of ``args`` placed in the plan's input shardings. In multi-process
         runs pass global arrays (``spmd.shard_batch`` builds them from process-local rows)."""
         prepared, leaves = self._prepare(args)
-        return _place(leaves, prepared.shardings)
+        return prepared.place(leaves)
 
     def __call__(self, *args: Any) -> Any:
         prepared, leaves = self._prepare(args)
-        run = prepared.compiled or prepared.jitted
-        flat_out = run(*_place(leaves, prepared.shardings))
-        return prepared.plan.signature.unflatten_outputs(args, flat_out)
-
-
-def _place(leaves: Sequence[Any], shardings: Sequence[Any]) -> list[Any]:
-    """Leaves already in their sharding pass through; the rest are put there."""
-    return [x if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(s, x.ndim)
-            else jax.device_put(x, s) for x, s in zip(leaves, shardings)]
+        return prepared.plan.bound_signature().unflatten_outputs(args, prepared(leaves))
 
 
 def parallelize(step_fn: Callable, *, mesh: DeviceMesh, method: str = "auto",
@@ -206,7 +176,7 @@ def materialize(create_fn: Callable[[], Any], p: Plan) -> Any:
     ``create_fn`` must return the step's graph-node arguments in order (e.g. ``(model,
     optimizer)``) and be a pure function of nothing but constants (seeded initializers).
     """
-    sig = p._need_signature()
+    sig = p.bound_signature()
     abstract = nnx.eval_shape(create_fn)
     nodes = abstract if isinstance(abstract, tuple) else (abstract,)
     graphdef, abstract_state = nnx.split(nodes)

@@ -197,7 +197,7 @@ def launch(
 
     Example: spmd launch -n 2 -- spmd run --mesh meshes/cpu-2x4.yaml
     """
-    from spmd.cluster.launch import launch_local
+    from spmd.cluster.distributed import launch_local
 
     command = list(ctx.args)
     if not command:

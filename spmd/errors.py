@@ -27,6 +27,10 @@ class InfeasibleError(PlanError):
     """No plan fits the memory budget."""
 
 
+class OptionsError(SpmdError):
+    """An option holds a value outside its valid range (the message names the field)."""
+
+
 def warn(message: str, category: type[Warning] = UserWarning) -> None:
     """Warn at the user's line: the innermost frame outside spmd, however deep the call
     (``spmd.plan``, a ``ParallelStep`` call), so the location printed and ``-W`` filters

@@ -1,59 +1,36 @@
-"""``method="auto"``: trace the step, search its sharding, and explain the result beside the
-hand-written plans scored by the same cost model. Plans are cached as JSON, keyed by the
-step's jaxpr, the mesh and the options, so a second run skips the search.
+"""``method="auto"``: the search beside the hand-written plans, all priced on one cost graph.
+
+The step's op graph is built once and priced once (``IntraOp``: the cost graph, with every
+spec a hand-written plan pins among its candidates); each applicable hand-written plan is
+scored on it with its inputs pinned, the best one warm-starts the search, and if the search
+ends predicted slower than that plan (its simplifications can exclude it), the plan is
+returned instead, so auto is never predicted slower than the best of them. Every phase's
+seconds are recorded in ``Plan.search["timings"]``; plans are cached (``spmd.cache``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import hashlib
-import json
-import os
-from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
-
-from spmd.search.intra_op import SCORE_TIME_LIMIT, AutoResult, InputInfo, score_result, search
-from spmd.errors import PlanError, warn
-from spmd.trace.graph import Graph, build_graph
-from spmd.manual import ManualMethod, applicable_methods, leaf_spec, manual_specs
+from spmd import cache
 from spmd.cluster.mesh import DeviceMesh
-from spmd.plan import FORMAT_VERSION, Plan
+from spmd.errors import PlanError, warn
+from spmd.manual import ManualMethod, applicable_methods, leaf_spec, manual_specs
+from spmd.options import SearchOptions
+from spmd.plan import Plan
+from spmd.search.intra_op import AutoResult, InputInfo, IntraOp
+from spmd.sharding import Spec
+from spmd.timing import Stopwatch
+from spmd.trace.graph import Graph, build_graph
 from spmd.trace.signature import StepSignature
 
-CACHE_ENV = "SPMD_CACHE_DIR"
+__all__ = ["plan_auto", "score_manual", "step_inputs"]
 
 
-@dataclasses.dataclass(frozen=True)
-class SearchOptions:
-    """How ``method="auto"`` searches.
-
-    Attributes:
-      memory_budget: bytes per device a plan may use (default: the device's memory).
-      time_limit: seconds the solver may spend; past it, the best plan found is used and a
-        warning says so.
-      compare: score every applicable hand-written plan with the same cost model (shown by
-        ``Plan.describe``; the best one also warm-starts the solver).
-      rules: logical axis name -> mesh axes the user fixes (Flax-style logical rules);
-        parameters with a named dimension covered here are pinned, the rest is searched.
-      cache: reuse a saved plan for the same jaxpr, mesh and options.
-      cache_dir: where plans are saved (default ``$SPMD_CACHE_DIR`` or ~/.cache/spmd/plans).
-    """
-
-    memory_budget: float | None = None
-    time_limit: float = 20.0
-    compare: bool = True
-    rules: Mapping[str, tuple[str, ...]] | None = None
-    cache: bool = True
-    cache_dir: str | None = None
-
-    def directory(self) -> Path:
-        default = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "spmd" / "plans"
-        return Path(self.cache_dir or default)
-
-
-def _inputs(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions) -> list[InputInfo]:
+def step_inputs(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions) -> list[InputInfo]:
+    """One InputInfo per input leaf, pinned where the user fixed a spec (an explicit
+    PartitionSpec, or logical names covered by ``options.rules``)."""
     pins_from_rules = None
     if options.rules:
         rules = {k: (v,) if isinstance(v, str) else tuple(v or ()) for k, v in options.rules.items()}
@@ -69,26 +46,6 @@ def _inputs(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions) -> lis
     return out
 
 
-@functools.cache
-def _code_version() -> str:
-    """A digest of spmd's own source: a plan found by other code is not reused."""
-    digest = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.rglob("*.py")):
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
-
-
-def _cache_key(jaxpr, inputs: list[InputInfo], mesh: DeviceMesh, options: SearchOptions) -> str:
-    digest = hashlib.sha256()
-    digest.update(str(jaxpr).encode())
-    digest.update(repr([(i.path, i.shape, str(i.dtype), i.kind, i.pinned) for i in inputs])
-                  .encode())
-    digest.update(repr((mesh.axis_names, mesh.axis_sizes, sorted(mesh.links.items()),
-                        mesh.device, options.memory_budget, FORMAT_VERSION,
-                        _code_version())).encode())
-    return digest.hexdigest()[:32]
-
-
 def _warn_trivial_axes(mesh: DeviceMesh) -> None:
     """A one-device mesh or a size-1 axis plans fine but splits nothing: say so, not fail."""
     if mesh.size == 1:
@@ -101,51 +58,67 @@ def _warn_trivial_axes(mesh: DeviceMesh) -> None:
              f"anything; it is ignored")
 
 
-def score_manual(sig: StepSignature, mesh: DeviceMesh, method: str,
-                 options: SearchOptions, graph: Graph | None = None) -> AutoResult:
-    """The cost model's view of a hand-written plan (intermediates chosen by the ILP)."""
+def _baselines(sig: StepSignature, mesh: DeviceMesh,
+               options: SearchOptions) -> tuple[dict[str, list[Spec]], dict[str, str]]:
+    """The hand-written plans to score (their input specs), and why the others are not."""
+    specs: dict[str, list[Spec]] = {}
+    skipped: dict[str, str] = {}
+    if not options.compare or mesh.size == 1:
+        return specs, skipped
+    for name, why_not in applicable_methods(sig.leaves, mesh).items():
+        if why_not:
+            skipped[name] = f"does not apply: {why_not}"
+        else:
+            specs[name] = manual_specs(sig.leaves, name, mesh)
+    return specs, skipped
+
+
+def score_manual(sig: StepSignature, mesh: DeviceMesh, method: str, options: SearchOptions,
+                 graph: Graph | None = None) -> AutoResult:
+    """The cost model's view of one hand-written plan (intermediates chosen by the ILP)."""
     specs = manual_specs(sig.leaves, method, mesh)
-    return score_result(sig.jaxpr, _inputs(sig, mesh, options), mesh, specs,
-                        output_aliases=sig.output_aliases,
-                        time_limit=min(options.time_limit, SCORE_TIME_LIMIT), graph=graph)
+    inputs = step_inputs(sig, mesh, options)
+    job = IntraOp(graph if graph is not None else build_graph(sig.jaxpr), inputs, mesh,
+                  output_aliases=sig.output_aliases,
+                  required=[(i.shape, s) for i, s in zip(inputs, specs)])
+    limit, solver = options.scoring()
+    return job.score(specs, time_limit=limit, solver=solver)
 
 
-def auto_plan(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions) -> Plan:
+def plan_auto(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions,
+              timings: Stopwatch | None = None) -> Plan:
     """Search a plan for the step (or load it from the cache)."""
+    timings = timings if timings is not None else Stopwatch()
     _warn_trivial_axes(mesh)
-    jaxpr = sig.jaxpr
-    inputs = _inputs(sig, mesh, options)
-    path = None
-    if options.cache:  # hashing a large jaxpr's text takes seconds: only when caching
-        path = options.directory() / f"{_cache_key(jaxpr, inputs, mesh, options)}.json"
-    if path is not None and path.exists():
-        try:
-            cached = Plan.from_dict(json.loads(path.read_text()), mesh)
-        except (ValueError, KeyError, TypeError):
-            cached = None
-        if cached is not None and len(cached.input_specs) == len(sig.leaves):
-            cached.leaves, cached.signature, cached.jaxpr = sig.leaves, sig, jaxpr
-            cached.search = {**(cached.search or {}), "cache": f"loaded {path}"}
-            return cached
-    graph = build_graph(jaxpr)  # one op graph for every scoring and the search
-    alternatives: dict[str, Any] = {}
+    inputs = step_inputs(sig, mesh, options)
+    with timings.phase("cache"):
+        path = cache.cache_path(sig, inputs, mesh, options)
+        cached = cache.load(path, sig, mesh)
+    if cached is not None:
+        return cached
+    with timings.phase("graph"):
+        graph = build_graph(sig.jaxpr)  # one op graph for every scoring and the search
+    baselines, alternatives = _baselines(sig, mesh, options)
+    with timings.phase("cost_graph"):
+        job = IntraOp(graph, inputs, mesh, output_aliases=sig.output_aliases,
+                      required=[(i.shape, s) for specs in baselines.values()
+                                for i, s in zip(inputs, specs)])
+    scores: dict[str, Any] = dict(alternatives)
     best: tuple[str, AutoResult] | None = None
-    if options.compare and mesh.size > 1:
-        for name, why_not in applicable_methods(sig.leaves, mesh).items():
-            if why_not:
-                alternatives[name] = f"does not apply: {why_not}"
-                continue
+    limit, scoring = options.scoring()
+    with timings.phase("baselines"):
+        for name, specs in baselines.items():
             try:
-                scored = score_manual(sig, mesh, name, options, graph)
+                scored = job.score(specs, time_limit=limit, solver=scoring)
             except PlanError as err:  # the cost model cannot express this hand-written plan
-                alternatives[name] = f"not scored: {err}"
+                scores[name] = f"not scored: {err}"
                 continue
-            alternatives[name] = scored.prediction.to_dict()
+            scores[name] = scored.prediction
             if best is None or scored.prediction.total_time < best[1].prediction.total_time:
                 best = (name, scored)
-    result = search(jaxpr, inputs, mesh, output_aliases=sig.output_aliases,
-                    memory_budget=options.memory_budget, time_limit=options.time_limit,
-                    warm_start=best[1] if best else None, graph=graph)
+    with timings.phase("search"):
+        result = job.search(memory_budget=options.memory_budget, time_limit=options.time_limit,
+                            solver=options.solver, warm_start=best[1] if best else None)
     budget = mesh.device.memory_bytes if options.memory_budget is None else options.memory_budget
     kept_manual = (best is not None
                    and best[1].prediction.total_time < result.prediction.total_time
@@ -168,15 +141,10 @@ def auto_plan(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions) -> P
     stats["fallbacks"] = result.fallbacks
     stats["warm_start_from"] = best[0] if best else None
     stats["kept_hand_written"] = best[0] if kept_manual else None
+    stats["timings"] = timings.as_dict()
     planned = Plan(method="auto", mesh=mesh, leaves=sig.leaves, input_specs=result.input_specs,
-                   output_specs=list(result.output_specs), prediction=result.prediction.to_dict(),
-                   search=stats, constraints=dict(result.constraints), alternatives=alternatives,
-                   signature=sig, jaxpr=jaxpr)
-    if path is not None:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            planned.save(path)
-        except OSError as err:
-            warn(f"could not save the plan cache {path}: {err}")
+                   output_specs=list(result.output_specs), prediction=result.prediction,
+                   search=stats, constraints=dict(result.constraints), alternatives=scores,
+                   signature=sig)
+    cache.save(planned, path)
     return planned
-

@@ -1,2 +1,2 @@
-"""The cluster as the planner sees it: device meshes and their links (``mesh``), the
-hardware of one device (``hardware``), and starting local processes (``launch``)."""
+"""The cluster as the planner sees it: device meshes, their submeshes and links (``mesh``),
+the hardware of one device (``hardware``), and multi-process runs (``distributed``)."""

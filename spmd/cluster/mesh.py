@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+import numpy as np
 import yaml
 
 from spmd.errors import MeshError
@@ -66,6 +67,9 @@ class DeviceMesh:
     hosts: int = 1
     distributed: DistributedConfig | None = None
     source: str | None = None
+    #: positions (in the process group's device order) of this mesh's devices, row-major
+    #: over its axes; None: the first ``size`` devices (a whole mesh). Set by ``submesh``.
+    device_ids: tuple[int, ...] | None = None
 
     @property
     def shape(self) -> dict[str, int]:
@@ -90,6 +94,57 @@ class DeviceMesh:
         chosen = [self.links[a] for a in axes]
         return Link(min(l.bandwidth for l in chosen), max(l.latency for l in chosen))
 
+    def submesh(self, sizes: Mapping[str, int], offset: Mapping[str, int] | None = None
+                ) -> "DeviceMesh":
+        """The sub-grid of this mesh with ``sizes`` devices along the named axes (the other
+        axes whole), at block ``offset[axis]`` along each (default 0): a stage's devices.
+        Each axis keeps its link, so a submesh inside one host still rides NVLink.
+
+        >>> mesh = make_mesh({"data": 2, "model": 4}, virtual=True)
+        >>> sub = mesh.submesh({"data": 1}, offset={"data": 1})
+        >>> sub.shape, sub.device_ids
+        ({'data': 1, 'model': 4}, (4, 5, 6, 7))
+
+        Raises:
+          MeshError: an unknown axis, a size that does not divide the axis, or an offset
+            outside it.
+        """
+        offset = dict(offset or {})
+        for name in list(sizes) + list(offset):
+            if name not in self.shape:
+                raise MeshError(f"submesh of {self.name!r}: unknown axis {name!r}; axes: "
+                                f"{list(self.axis_names)}")
+        new_sizes, starts = [], []
+        for name, size in zip(self.axis_names, self.axis_sizes):
+            want = _number(sizes.get(name, size), f"submesh of {self.name!r}: {name}", int)
+            if size % want:
+                raise MeshError(f"submesh of {self.name!r}: axis {name} of size {size} cannot "
+                                f"be split into blocks of {want}; use a divisor of {size}")
+            block = int(offset.get(name, 0))
+            if not 0 <= block < size // want:
+                raise MeshError(f"submesh of {self.name!r}: offset {block} of axis {name} is "
+                                f"outside its {size // want} blocks of {want}")
+            new_sizes.append(want)
+            starts.append(block * want)
+        parent = np.asarray(self.device_ids if self.device_ids is not None
+                            else range(self.size)).reshape(self.axis_sizes)
+        ids = parent[tuple(slice(s, s + n) for s, n in zip(starts, new_sizes))]
+        per_host = self.size // self.hosts
+        where = ", ".join(f"{n} {s}:{s + k}" for n, s, k in zip(self.axis_names, starts, new_sizes)
+                          if k != self.shape[n])
+        return dataclasses.replace(
+            self, axis_sizes=tuple(new_sizes), name=f"{self.name}[{where}]" if where else self.name,
+            hosts=len({int(i) // per_host for i in ids.flat}),
+            device_ids=tuple(int(i) for i in ids.flat))
+
+    def sharding_mesh(self):
+        """The jax mesh shardings of a plan refer to: the concrete one when this process has
+        its devices, else the abstract one (planning for a cluster that is not here)."""
+        try:
+            return self.jax_mesh()
+        except MeshError:
+            return self.abstract_mesh()
+
     def abstract_mesh(self):
         """The jax AbstractMesh (names and sizes, Auto axes): enough for planning and caching."""
         from jax.sharding import AbstractMesh, AxisType
@@ -101,7 +156,7 @@ class DeviceMesh:
         """The concrete jax Mesh over the devices of this process group (Auto axis types).
 
         A virtual mesh uses as many CPU devices (compile-only checks); a real one needs exactly
-        its size in devices of its platform.
+        its size in devices of its platform; a submesh the devices its ``device_ids`` name.
         """
         import jax
         from jax.sharding import AxisType
@@ -111,7 +166,9 @@ class DeviceMesh:
             devices = jax.devices(backend)
         except RuntimeError:
             devices = []
-        if len(devices) < self.size or (not self.virtual and len(devices) != self.size):
+        ids = self.device_ids if self.device_ids is not None else tuple(range(self.size))
+        whole = self.device_ids is None and not self.virtual
+        if len(devices) <= max(ids) or (whole and len(devices) != self.size):
             have = f"{len(devices)} {backend} device(s)"
             hint = (
                 f"start the process with XLA_FLAGS=--xla_force_host_platform_device_count={self.size}"
@@ -121,9 +178,11 @@ class DeviceMesh:
                 f"mesh {self.name!r}{_from(self.source)} needs {self.size} {backend} devices "
                 f"(axes {self.shape}) but this process sees {have}; {hint}"
             )
-        return jax.make_mesh(self.axis_sizes, self.axis_names,
-                             axis_types=(AxisType.Auto,) * len(self.axis_names),
-                             devices=devices[: self.size])
+        # The devices in process-group order, reshaped row-major (what jax.make_mesh does
+        # with CPU and GPU devices), so device_ids index the same order in every mesh.
+        grid = np.array([devices[i] for i in ids], dtype=object).reshape(self.axis_sizes)
+        return jax.sharding.Mesh(grid, self.axis_names,
+                                 axis_types=(AxisType.Auto,) * len(self.axis_names))
 
     def describe(self) -> str:
         axes = ", ".join(
@@ -336,16 +395,3 @@ def make_mesh(
         links={n: Link(bws[n], lats[n]) for n in names}, device=spec,
         platform=platform or ("cpu" if spec.name == "cpu" else "gpu"), virtual=virtual, name=name,
     )
-
-
-def init_distributed(mesh: DeviceMesh) -> None:
-    """Join the process group the mesh names (gloo collectives on CPU); no-op for one process."""
-    import jax
-
-    dist = mesh.distributed
-    if dist is None:
-        return
-    if mesh.platform == "cpu":
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(dist.coordinator, num_processes=dist.num_processes,
-                               process_id=dist.process_id)

@@ -1,7 +1,7 @@
-"""Apply a searched plan: re-run the step's jaxpr with sharding constraints where the plan
+"""Sharding constraints inside a step: re-run its jaxpr with a constraint wherever the plan
 chose a spec that XLA's propagation might not guess.
 
-The interpreter walks the same flattened program as :func:`spmd.graph.build_graph` (nested
+The interpreter walks the same flattened program as :func:`spmd.trace.graph.build_graph` (nested
 ``jit``, ``custom_jvp``/``custom_vjp`` and ``checkpoint`` jaxprs inlined; a differentiated
 checkpoint keeps its optimization barrier), so the keys of ``AutoResult.constraints``
 (``"eqn 17 out 0"``: an equation's output; ``"eqn 17 in 1"``: what it reads as operand 1, a
@@ -22,10 +22,10 @@ from typing import Any, Callable, Mapping
 import jax
 from jax.sharding import NamedSharding
 
-from spmd.trace.graph import operand_key, value_key
-from spmd.trace.interpret import eval_jaxpr_with
 from spmd.cluster.mesh import DeviceMesh
 from spmd.sharding import Spec, to_partition_spec
+from spmd.trace.graph import operand_key, value_key
+from spmd.trace.interpret import eval_jaxpr_with
 
 
 def constrained(closed_jaxpr, constraints: Mapping[str, Spec], mesh: DeviceMesh | Any) -> Callable:

@@ -1,8 +1,8 @@
 """The CP-SAT model of a solver request: integer costs, the model, and running it.
 
-Kept apart from ``spmd.solver``, which drives it: ``rescale`` turns seconds into integers,
-``_build`` makes the model (hinted, under the memory budget, or minimizing peak memory),
-``_run`` solves it under the presolve and early-stop limits below.
+Kept apart from ``spmd.solver.driver``, which drives it: ``rescale`` turns seconds into
+integers, ``build`` makes the model (hinted, under the memory budget, or minimizing peak
+memory), ``run`` solves it under the presolve and early-stop limits of ``SolverOptions``.
 
 Formulation: one boolean x[v,s] per strategy of each representative node, exactly one true.
 Nodes with ``same_as`` reuse their representative's booleans (their costs add to its). Edges
@@ -14,8 +14,11 @@ matrices (<= ``MARGINAL_LIMIT`` entries) get edge booleans e[i,j] whose rows sum
 u-class and columns to the v-class literals (the tight "local polytope" relaxation); larger
 ones an integer c >= sum_j R[i][j] * y[v,j] enforced by y[u,i] (k_u constraints, no k_u * k_v
 booleans). A charge (a cost shared by several strategies, paid once) is one boolean that
-each of its strategies implies. ``inf`` means forbidden: the strategy or the pair is
-excluded, never scaled.
+each of its strategies implies. A fan-out (a value resharded once per distinct target its
+consumers want) gets, per target t, a boolean y[t] that every consumer strategy wanting t
+implies, and an integer c[t] >= sum_i costs[i][t] * x[producer, i] enforced by y[t]: exact,
+with one constraint per (consumer, target) and one per target. ``inf`` means forbidden: the
+strategy or the pair is excluded, never scaled.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ from typing import Sequence
 
 import numpy as np
 
-from spmd.solver.request import SolverRequest, _Problem
+from spmd.options import SolverOptions
+from spmd.solver.request import Reduced, SolverRequest
 
-__all__ = ["Scaled", "FORBIDDEN", "rescale"]
+__all__ = ["FORBIDDEN", "OutOfTime", "Scaled", "build", "memory_unit", "rescale", "run"]
 
 # Largest finite cost maps to this many integer units (see ``rescale``).
 COST_UNITS = 1e6
@@ -38,20 +42,6 @@ MEMORY_UNITS = 1e9
 # Edge matrices (after merging identical rows/columns) up to this many entries get edge
 # booleans; bigger ones enforced rows.
 MARGINAL_LIMIT = 16
-NUM_WORKERS = 2
-# Models with more variables than this skip CP-SAT's presolve (see ``_run``).
-PRESOLVE_LIMIT = 20_000
-# ... and above this many, run a single presolve iteration (see ``_run``).
-LIGHT_PRESOLVE_LIMIT = 5_000
-# CP-SAT stops early when no better plan came for max(STALL_MIN_SECONDS, STALL_FRACTION x
-# time limit): on 2 cores its bound stays loose, so waiting out the limit rarely pays (the
-# plan is then reported "feasible", not timed out; the bound says how far it may be off).
-STALL_MIN_SECONDS = 1.0
-STALL_FRACTION = 0.05
-# Only plans at least this much (relative) better than the last such one restart the stall
-# clock: on large models CP-SAT keeps finding plans better by a fraction of a percent, and
-# waiting for each of them ran the search to its limit (20 s on a 24-layer GPT, for < 1%).
-STALL_GAIN = 0.005
 
 
 @dataclasses.dataclass
@@ -66,6 +56,7 @@ class Scaled:
     unary: list[np.ndarray]
     pairs: dict[tuple[int, int], np.ndarray]
     charges: list[int] = dataclasses.field(default_factory=list)
+    fanouts: list[np.ndarray] = dataclasses.field(default_factory=list)  # per fan-out, costs
 
 
 FORBIDDEN = -1
@@ -73,7 +64,8 @@ FORBIDDEN = -1
 
 def rescale(unary: Sequence[Sequence[float]],
             pairs: dict[tuple[int, int], Sequence[Sequence[float]]] | None = None,
-            charges: Sequence[float] = (), units: float = COST_UNITS) -> Scaled:
+            charges: Sequence[float] = (), units: float = COST_UNITS,
+            fanouts: Sequence[np.ndarray] = ()) -> Scaled:
     """Turn float seconds into non-negative integers CP-SAT handles well.
 
     Each group's costs are shifted by their finite minimum (the shifts add up to ``offset``,
@@ -82,7 +74,8 @@ def rescale(unary: Sequence[Sequence[float]],
     so the solver's optimum is within (number of terms) x 0.5 units of the true one; the
     reported objective is always recomputed in float seconds. A positive cost that would
     round to 0 becomes 1 unit, so tiny costs still break ties (over-weighting each by at most
-    1 unit). ``inf`` becomes ``FORBIDDEN`` (never scaled).
+    1 unit). ``inf`` becomes ``FORBIDDEN`` (never scaled). Charges and fan-out costs (finite,
+    >= 0) scale alike, unshifted.
 
     >>> s = rescale([[1.0, 3.0], [2.0, float("inf")]])
     >>> [u.tolist() for u in s.unary], s.offset, s.scale
@@ -102,19 +95,23 @@ def rescale(unary: Sequence[Sequence[float]],
         shifted.append(arr)
         if finite.any():
             largest = max(largest, float(arr[finite].max()))
-    largest = max([largest, *charges])  # charges (finite, >= 0) scale alike, unshifted
+    fanouts = [np.asarray(f, dtype=float) for f in fanouts]
+    largest = max([largest, *charges, *(float(f.max()) for f in fanouts if f.size)])
     scale = units / largest if largest > 0 else 1.0
-    out = []
-    for arr in shifted:
+
+    def integer(arr: np.ndarray) -> np.ndarray:
         finite = np.isfinite(arr)
         val = np.where(finite, arr, 0.0) * scale
         ints = np.rint(val).astype(np.int64)
         ints[(ints == 0) & (val > 0)] = 1
         ints[~finite] = FORBIDDEN
-        out.append(ints)
+        return ints
+
+    out = [integer(arr) for arr in shifted]
     n = len(unary)
     return Scaled(scale, offset, out[:n], dict(zip(keys, out[n:])),
-                  [max(int(round(c * scale)), 1 if c > 0 else 0) for c in charges])
+                  [max(int(round(c * scale)), 1 if c > 0 else 0) for c in charges],
+                  [integer(f) for f in fanouts])
 
 
 @dataclasses.dataclass
@@ -132,10 +129,10 @@ class _Built:
 
 
 class OutOfTime(Exception):
-    """The model was not built by its deadline (``_build``): there is no time left to solve it."""
+    """The model was not built by its deadline (``build``): there is no time left to solve it."""
 
 
-#: pairs of groups written between two looks at the clock in ``_build``
+#: pairs of groups written between two looks at the clock in ``build``
 _CLOCK_EVERY = 256
 
 
@@ -155,7 +152,7 @@ def _distinct_rows(mat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return mat[firsts], inverse
 
 
-def _build(r: SolverRequest, prob: _Problem, scaled: Scaled, *, with_memory: bool,
+def build(r: SolverRequest, prob: Reduced, scaled: Scaled, *, with_memory: bool,
            objective: bool, minimize_memory: bool = False,
            hint: Sequence[int] | None = None, deadline: float | None = None) -> _Built:
     """The CP-SAT model (module docstring). Raises ``OutOfTime`` past ``deadline``
@@ -254,6 +251,34 @@ def _build(r: SolverRequest, prob: _Problem, scaled: Scaled, *, with_memory: boo
             obj_coefs.append(1)
             if pick is not None:
                 model.add_hint(cost, max(rows[hu][hv], 0))
+    for n, ((gp, _, consumers), costs) in enumerate(zip(prob.fanouts, scaled.fanouts)):
+        if not objective:
+            break
+        if deadline is not None and n % _CLOCK_EVERY == 0 and time.perf_counter() > deadline:
+            raise OutOfTime
+        rows, inv = _distinct_rows(costs)  # producer strategies that reshard alike
+        cls = class_literals(gp, inv, len(rows))
+        for t in range(costs.shape[1]):
+            col = rows[:, t].tolist()
+            if not any(col):
+                continue
+            wanted = [(g, np.nonzero(targets == t)[0].tolist()) for g, targets in consumers]
+            wanted = [(g, ss) for g, ss in wanted if ss]
+            if not wanted:
+                continue
+            paid = model.new_bool_var("")  # some consumer wants target t
+            for g, ss in wanted:
+                model.add(total([x[g][s] for s in ss]) <= paid)
+            cost = model.new_int_var(0, max(col), "")
+            js = [j for j, c in enumerate(col) if c]
+            model.add(weighted([cls[j] for j in js], [col[j] for j in js]) <= cost
+                      ).only_enforce_if(paid)
+            obj_vars.append(cost)
+            obj_coefs.append(1)
+            if pick is not None:
+                wants = any(pick[g] in ss for g, ss in wanted)
+                model.add_hint(paid, wants)
+                model.add_hint(cost, col[int(inv[pick[gp]])] if wants else 0)
     for (_, members), units in zip(prob.charges, scaled.charges):
         if not objective or not units:
             continue
@@ -275,7 +300,7 @@ def _build(r: SolverRequest, prob: _Problem, scaled: Scaled, *, with_memory: boo
                     model.add(weighted([v for v, _ in t], [c for _, c in t]) <= peak)
             obj_vars, obj_coefs = [peak], [1]
         elif r.memory_budget is not None:
-            budget = math.floor(r.memory_budget / _memory_unit(r))
+            budget = math.floor(r.memory_budget / memory_unit(r))
             for t in mem_terms:
                 if t:
                     model.add(weighted([v for v, _ in t], [c for _, c in t]) <= budget)
@@ -285,21 +310,21 @@ def _build(r: SolverRequest, prob: _Problem, scaled: Scaled, *, with_memory: boo
     return _Built(model, x, prob.group_of, len(proto.variables), len(proto.constraints))
 
 
-def _memory_unit(r: SolverRequest) -> float:
+def memory_unit(r: SolverRequest) -> float:
     """Bytes per integer unit: the budget (or the largest set) maps to ~MEMORY_UNITS units."""
     ref = r.memory_budget or max((sum(max(r.node_memory[v]) for v in set(live))
                                   for live in r.liveness), default=1.0)
     return max(ref / MEMORY_UNITS, 1e-12)
 
 
-def _memory_terms(r: SolverRequest, prob: _Problem, x,
+def _memory_terms(r: SolverRequest, prob: Reduced, x,
                   budget: float | None = None) -> list[list[tuple[object, int]]]:
     """Per liveness set, (literal, units) terms; memory rounds up so a fit is a real fit.
 
     With a ``budget``, a set that fits it even with every node at its largest strategy can
     never bind and gets no terms: on a 24-layer GPT under a GPU's memory that is every set,
     and writing them out took 0.65 s of a 4 s solve."""
-    unit = _memory_unit(r)
+    unit = memory_unit(r)
     worst = None
     if budget is not None:
         cap = math.floor(budget / unit)
@@ -321,14 +346,11 @@ def _memory_terms(r: SolverRequest, prob: _Problem, x,
     return out
 
 
-def _stall_seconds(time_limit: float) -> float:
-    """How long CP-SAT may go without a better plan before the search stops early."""
-    return max(STALL_MIN_SECONDS, STALL_FRACTION * time_limit)
-
-
-def _run(model, time_limit: float, stall: float | None = None, offset: float = 0.0):
-    """Solve; with ``stall``, stop once no solution better by ``STALL_GAIN`` (relative to
-    the objective plus ``offset``, in the model's units) came for ``stall`` seconds.
+def run(model, time_limit: float, options: SolverOptions, stall: float | None = None,
+        offset: float = 0.0):
+    """Solve; with ``stall``, stop once no solution better by ``options.stall_gain``
+    (relative to the objective plus ``offset``, in the model's units) came for ``stall``
+    seconds.
 
     Returns (status, solver, stalled): ``stalled`` is True when the search was stopped early
     that way (the plan is then the best found, not proven optimal)."""
@@ -337,14 +359,14 @@ def _run(model, time_limit: float, stall: float | None = None, offset: float = 0
     from ortools.sat.python import cp_model
 
     solver = cp_model.CpSolver()
-    solver.parameters.num_workers = NUM_WORKERS
+    solver.parameters.num_workers = options.workers
     solver.parameters.max_time_in_seconds = float(time_limit)
     size = len(model.proto.variables)
-    if size > LIGHT_PRESOLVE_LIMIT:
+    if size > options.light_presolve_limit:
         # One presolve round: the (hinted) first plan comes in ~0.6 s instead of ~2 s on a
         # 7,000-variable model, which is most of the search's time once the hint is good.
         solver.parameters.max_presolve_iterations = 1
-    if size > PRESOLVE_LIMIT:
+    if size > options.presolve_limit:
         # On 2 cores CP-SAT's presolve of a large model alone outlasts a time limit of
         # seconds; without it the search starts at once from the (complete) hint.
         solver.parameters.cp_model_presolve = False
@@ -359,7 +381,7 @@ def _run(model, time_limit: float, stall: float | None = None, offset: float = 0
     class _Improved(cp_model.CpSolverSolutionCallback):
         def on_solution_callback(self) -> None:
             value = self.ObjectiveValue() + offset
-            if not math.isfinite(mark[0]) or value < mark[0] - STALL_GAIN * abs(mark[0]):
+            if not math.isfinite(mark[0]) or value < mark[0] - options.stall_gain * abs(mark[0]):
                 mark[0] = value
                 last[0] = time.perf_counter()
 

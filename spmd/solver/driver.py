@@ -8,23 +8,23 @@ edge at fault), ``evaluate`` and ``memory_peak`` (score any assignment, e.g. a h
 plan, with the same numbers) and ``rescale`` (float seconds to the integers CP-SAT needs).
 A request saved with ``to_json`` replays with ``SolverRequest.from_json`` to debug.
 
-Min-sum diffusion (``spmd.min_sum``) runs first: it decodes a plan that sees costs paid far
-downstream, and proves a lower bound on every plan (the dual of the LP relaxation). A fast
-local search (spanning-tree dynamic programs, coordinate descent) improves it and other
-starts (greedy, every group's first / last / cheapest strategy, the warm start). A seed
-within ``GAP`` of the bound is returned as it is: CP-SAT could only confirm it. Otherwise
-CP-SAT (2 workers) starts from the best seed as a complete hint and stops once no plan
-better by ``STALL_GAIN`` came for a short window; models over ``LIGHT_PRESOLVE_LIMIT``
-variables get one presolve round, and over ``PRESOLVE_LIMIT`` none, as on 2 cores presolve
-alone outlasts a limit of seconds. Measured on 2 cores: a planner-like 2,000-node /
-3,000-edge request (4-30 strategies) returns in ~8 s with a 10 s limit, 2% above the bound
-(CP-SAT's own LP bound left it 13% below); a 24-layer GPT's request in ~2 s, 0.04% above it.
+Min-sum diffusion (``spmd.solver.min_sum``) runs first: it decodes a plan that sees costs
+paid far downstream, and proves a lower bound on every plan (the dual of the LP relaxation).
+A fast local search (spanning-tree dynamic programs, coordinate descent) improves it and
+other starts (greedy, every group's first / last / cheapest strategy, the warm start). A seed
+within ``SolverOptions.gap`` of the bound is returned as it is: CP-SAT could only confirm
+it. Otherwise CP-SAT starts from the best seed as a complete hint and stops once no plan
+better by ``stall_gain`` came for a short window; large models get one presolve round or
+none (``SolverOptions``), as on 2 cores presolve alone outlasts a limit of seconds. Measured
+on 2 cores: a planner-like 2,000-node / 3,000-edge request (4-30 strategies) returns in ~8 s
+with a 10 s limit, 2% above the bound (CP-SAT's own LP bound left it 13% below); a 24-layer
+GPT's request in ~2 s, 0.04% above it.
 
-This module is the entry point: ``solve`` (seeding, running CP-SAT, explaining an infeasible
-request) and every name above. The request and result types with ``validate``, ``evaluate``
-and ``memory_peak`` live in ``spmd.solver_request``, the CP-SAT model (its formulation,
-``rescale`` and the limits named above) in ``spmd.cpsat``, the seeding search in
-``spmd.local_search`` and ``spmd.min_sum``.
+This module drives the solver: ``solve`` (seeding, running CP-SAT, explaining an infeasible
+request). The request and result types with ``validate``, ``evaluate`` and ``memory_peak``
+live in ``spmd.solver.request``, the CP-SAT model (its formulation and ``rescale``) in
+``spmd.solver.cpsat``, the seeding search in ``spmd.solver.local_search`` and
+``spmd.solver.min_sum``.
 
 >>> req = SolverRequest(
 ...     node_names=["a", "b"], strategy_names=[["R", "S"], ["R", "S"]],
@@ -44,38 +44,30 @@ from typing import Sequence
 
 import numpy as np
 
-from spmd.solver.cpsat import OutOfTime, Scaled, _build, _memory_unit, _run, _stall_seconds, rescale
 from spmd.errors import InfeasibleError, PlanError
-from spmd.solver.local_search import _local_search
+from spmd.options import SolverOptions
+from spmd.solver.cpsat import OutOfTime, Scaled, build, memory_unit, rescale, run
+from spmd.solver.local_search import local_search
 from spmd.solver.min_sum import min_sum_seed
-from spmd.solver.request import (SolverRequest, SolverResult, _Problem, _reduce, evaluate,
-                                 memory_peak, validate)
+from spmd.solver.request import (Reduced, SolverRequest, SolverResult, evaluate, memory_peak,
+                                 reduce, validate)
 
-__all__ = [
-    "SolverRequest", "SolverResult", "Scaled", "validate", "evaluate", "memory_peak",
-    "rescale", "solve",
-]
+__all__ = ["solve"]
 
 
-# -- solve -----------------------------------------------------------------------------------
-
-#: CP-SAT is skipped once a seed is proven within this (relative) gap of every plan's lower
-#: bound: on 2 cores it then only spends its seconds confirming the seed.
-GAP = 1e-3
-#: the least share of the time limit left to CP-SAT once its model is written; a model not
-#: written by then is dropped (the best seed is returned, timed out)
-SOLVE_SHARE = 0.1
-
-
-def solve(request: SolverRequest) -> SolverResult:
+def solve(request: SolverRequest, options: SolverOptions = SolverOptions()) -> SolverResult:
     """Pick one strategy per node minimizing Σ node + edge costs under the memory budget.
 
     The best seed (the diffused plan, greedy, uniform starts and ``warm_start``, each improved
-    by local moves) is returned when within ``GAP`` of the diffusion bound; else it is
-    CP-SAT's hint, and the fallback when CP-SAT finds nothing in the time limit. The bound
-    reported is the better of diffusion's and CP-SAT's. Charges are exact in CP-SAT and in
-    the seeds' ranking; diffusion and the moves see each spread over the groups that can
-    incur it (``_Problem.amortized``), which only lowers the bound.
+    by local moves) is returned when within ``options.gap`` of the diffusion bound; else it
+    is CP-SAT's hint, and the fallback when CP-SAT finds nothing in the time limit. The bound
+    reported is the better of diffusion's and CP-SAT's. Charges and fan-outs are exact in
+    CP-SAT and in the seeds' ranking; the seeds see them as pairwise costs
+    (``Reduced.pairwise``): a charge spread over the groups that can incur it; a fan-out
+    target paid by every consumer that wants it (so seeds do not reshard a value for several
+    consumers that would each pay part of it). That over-counts, so with fan-outs the bound
+    comes from a second diffusion, of the problem where each target's cost is split between
+    the consumers that can want it, which never exceeds the request's.
 
     Raises:
         PlanError: the request is inconsistent, or no solution was found in the time limit.
@@ -86,17 +78,28 @@ def solve(request: SolverRequest) -> SolverResult:
 
     start = time.perf_counter()
     validate(request)
-    prob = _reduce(request)
-    scaled = rescale(prob.unary, prob.pairs, [cost for cost, _ in prob.charges])
-    seeding = prob.amortized()  # the seeds' moves see pairwise costs only
+    prob = reduce(request)
+    scaled = rescale(prob.unary, prob.pairs, [cost for cost, _ in prob.charges],
+                     fanouts=[costs for _, costs, _ in prob.fanouts])
+    gap = options.gap
+    seeding = prob.pairwise(split=False)  # the seeds' moves see pairwise costs only
     limit = request.time_limit
     window = max(0.15 * limit, min(2.0, 0.5 * limit))  # the local-search starts'
     # Diffusion sees costs that only pay off far downstream (a split the whole network
     # follows), which no local move reaches, and bounds every plan: its decoded plan,
     # improved by local moves, is the best start (gpt-1.3b on 64 A100s, dp_tp pinned:
     # 19.2 ms against 32.6 ms from greedy), and often proves itself near-optimal. It stops
-    # once within GAP or converged; only large graphs use its full share of the limit.
-    dual = min_sum_seed(seeding, deadline=start + max(0.6 * window, 0.4 * limit), gap=GAP)
+    # once within the gap or converged; only large graphs use its full share of the limit.
+    dual = min_sum_seed(seeding, deadline=start + max(0.6 * window, 0.4 * limit), gap=gap)
+    first = local_search(seeding, start=dual.choice, deadline=start + 0.7 * window)
+    if not prob.fanouts:
+        proven = dual.bound
+    elif options.refine:
+        proven = min_sum_seed(prob.pairwise(split=True), target=evaluate(request, first),
+                              gap=gap, deadline=time.perf_counter() + max(0.4 * window,
+                                                                         0.2 * limit)).bound
+    else:
+        proven = 0.0  # nothing to decide by it: the best seed is the answer
     # The other starts get their time after diffusion, however long it took: on moe-tiny
     # over 16 A100s the all-first-strategy start is the best (0.094 ms, diffusion 0.119).
     after = time.perf_counter()
@@ -108,12 +111,10 @@ def solve(request: SolverRequest) -> SolverResult:
     def uniform(init: list[int]) -> list[int] | None:
         if time.perf_counter() > deadline:
             return None
-        return _local_search(seeding, deadline=deadline, start=[init[g] for g in prob.group_of])
+        return local_search(seeding, deadline=deadline, start=[init[g] for g in prob.group_of])
 
     # (Diffusion may end past its deadline on a large graph: its plan still gets moves.)
-    starts = [lambda: _local_search(seeding, start=dual.choice,
-                                    deadline=max(start + 0.7 * window, after + 0.25 * window)),
-              lambda: _local_search(seeding, deadline=deadline)]
+    starts = [lambda: first, lambda: local_search(seeding, deadline=deadline)]
     starts += [lambda init=init: uniform(init)
                for init in ([0] * len(prob.unary), [len(u) - 1 for u in prob.unary],
                             [int(np.argmin(u)) for u in seeding.unary])]
@@ -121,11 +122,11 @@ def solve(request: SolverRequest) -> SolverResult:
         # The warm start as given, and improved (repaired, where it forbids a pair).
         warm = list(request.warm_start)
         starts[:0] = [lambda: warm]
-        starts.append(lambda: _local_search(
+        starts.append(lambda: local_search(
             seeding, deadline=max(deadline, time.perf_counter() + 0.5), start=warm))
     scored: list[tuple[float, int, list[int]]] = []
     for i, make in enumerate(starts):
-        if scored and _within_gap(scored[0][0], dual.bound):
+        if scored and _within_gap(scored[0][0], proven, gap):
             break
         seed = make()
         if seed is not None:
@@ -137,28 +138,29 @@ def solve(request: SolverRequest) -> SolverResult:
     def best_seed(timed_out: bool, stalled: bool = False, built=None) -> SolverResult:
         """The best seed as the answer, bounded by diffusion (CP-SAT skipped or no better)."""
         value, _, choice = scored[0]
-        status = "optimal" if _within_gap(value, dual.bound, 1e-9) else "feasible"
+        status = "optimal" if _within_gap(value, proven, 1e-9) else "feasible"
         size = (built.num_variables, built.num_constraints) if built else (
             sum(len(u) for u in prob.unary), 0)
-        return SolverResult(choice, value, min(dual.bound, value), status,
+        return SolverResult(choice, value, min(proven, value), status,
                             time.perf_counter() - start, *size, timed_out=timed_out,
                             stalled=stalled, bound_from="diffusion")
 
-    if scored and _within_gap(scored[0][0], dual.bound):
-        return best_seed(timed_out=False)  # no plan is better by more than GAP
+    if scored and (_within_gap(scored[0][0], proven, gap) or not options.refine):
+        return best_seed(timed_out=False)  # no plan is better by more than the gap
     hint = scored[0][2] if scored else dual.choice
     try:
         # Writing the model counts against the limit (a large one outlasted it), unless no
         # seed fits: then only CP-SAT can find a plan, or explain why there is none.
-        built = _build(request, prob, scaled, with_memory=True, objective=True, hint=hint,
-                       deadline=start + (1 - SOLVE_SHARE) * limit if scored else None)
+        built = build(request, prob, scaled, with_memory=True, objective=True, hint=hint,
+                      deadline=start + (1 - options.solve_share) * limit if scored else None)
     except OutOfTime:
         return best_seed(timed_out=True)
     remaining = max(request.time_limit - (time.perf_counter() - start), 0.05 * request.time_limit)
-    status, solver, stalled = _run(built.model, remaining, _stall_seconds(request.time_limit),
-                                   offset=scaled.offset * scaled.scale)
+    status, solver, stalled = run(built.model, remaining, options,
+                                  stall=options.stall_window(request.time_limit),
+                                  offset=scaled.offset * scaled.scale)
     if status == cp_model.INFEASIBLE:
-        _explain_infeasible(request, prob, scaled)
+        _explain_infeasible(request, prob, scaled, options)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         if not scored:
             raise PlanError(
@@ -172,20 +174,20 @@ def solve(request: SolverRequest) -> SolverResult:
     bound = solver.BestObjectiveBound() / scaled.scale + scaled.offset
     optimal = status == cp_model.OPTIMAL
     return SolverResult(
-        choice=choice, objective=value, bound=min(max(bound, dual.bound), value),
-        bound_from="diffusion" if dual.bound > bound else "cp-sat",
+        choice=choice, objective=value, bound=min(max(bound, proven), value),
+        bound_from="diffusion" if proven > bound else "cp-sat",
         status="optimal" if optimal else "feasible", solve_time=time.perf_counter() - start,
         num_variables=built.num_variables, num_constraints=built.num_constraints,
         timed_out=not optimal and not stalled, stalled=stalled and not optimal,
     )
 
 
-def _within_gap(value: float, bound: float, gap: float | None = None) -> bool:
-    """Is ``value`` proven within ``gap`` (relative; ``GAP`` by default) of the optimum?"""
-    return math.isfinite(value) and value - bound <= (GAP if gap is None else gap) * abs(value)
+def _within_gap(value: float, bound: float, gap: float) -> bool:
+    """Is ``value`` proven within ``gap`` (relative) of the optimum?"""
+    return math.isfinite(value) and value - bound <= gap * abs(value)
 
 
-def _admissible(r: SolverRequest, prob: _Problem, choice: Sequence[int], value: float) -> bool:
+def _admissible(r: SolverRequest, prob: Reduced, choice: Sequence[int], value: float) -> bool:
     """A seed CP-SAT may start from: tied nodes agree, nothing forbidden (``value`` is its
     ``evaluate``), and it fits the memory budget."""
     return (all(choice[v] == choice[prob.groups[g]] for v, g in enumerate(prob.group_of))
@@ -193,34 +195,35 @@ def _admissible(r: SolverRequest, prob: _Problem, choice: Sequence[int], value: 
             and (r.memory_budget is None or memory_peak(r, choice) <= r.memory_budget))
 
 
-def _explain_infeasible(r: SolverRequest, prob: _Problem, scaled: Scaled) -> None:
+def _explain_infeasible(r: SolverRequest, prob: Reduced, scaled: Scaled,
+                        options: SolverOptions) -> None:
     """Raise InfeasibleError saying why: forbidden choices, or the least memory needed."""
     from ortools.sat.python import cp_model
 
-    free = _build(r, prob, scaled, with_memory=False, objective=False)
-    status, _, _ = _run(free.model, r.time_limit)
+    free = build(r, prob, scaled, with_memory=False, objective=False)
+    status, _, _ = run(free.model, r.time_limit, options)
     if status == cp_model.INFEASIBLE or r.memory_budget is None or not r.liveness:
         raise InfeasibleError(
             "no assignment of strategies avoids the forbidden (infinite-cost) strategies and "
             "resharding pairs; some node has no compatible strategy with its neighbours")
-    least = _least_peak(r, prob, scaled)
+    least = _least_peak(r, prob, scaled, options)
     raise InfeasibleError(
         f"no plan fits the memory budget of {_fmt_bytes(r.memory_budget)} per device: the "
         f"least peak memory any assignment needs is {least}; rematerialize activations "
         f"(jax.checkpoint), or use more devices")
 
 
-def _least_peak(r: SolverRequest, prob: _Problem, scaled: Scaled) -> str:
+def _least_peak(r: SolverRequest, prob: Reduced, scaled: Scaled, options: SolverOptions) -> str:
     from ortools.sat.python import cp_model
 
-    built = _build(r, prob, scaled, with_memory=True, objective=False, minimize_memory=True)
-    status, solver, _ = _run(built.model, min(r.time_limit, 10.0))
+    built = build(r, prob, scaled, with_memory=True, objective=False, minimize_memory=True)
+    status, solver, _ = run(built.model, min(r.time_limit, 10.0), options)
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         choice = built.read(solver)
         peak = memory_peak(r, choice)
         if status == cp_model.OPTIMAL:
             return _fmt_bytes(peak)
-        low = max(solver.BestObjectiveBound() - len(r.node_names), 0) * _memory_unit(r)
+        low = max(solver.BestObjectiveBound() - len(r.node_names), 0) * memory_unit(r)
         return f"between {_fmt_bytes(low)} and {_fmt_bytes(peak)}"
     # Lower bound without the solver: each set with every node at its smallest value.
     low = max(sum(min(r.node_memory[v]) for v in set(live)) for live in r.liveness)

@@ -12,10 +12,10 @@ from typing import Sequence
 
 import numpy as np
 
-from spmd.solver.request import _Problem
+from spmd.solver.request import Reduced
 
 
-def _local_search(prob: _Problem, deadline: float, sweeps: int = 60,
+def local_search(prob: Reduced, deadline: float, sweeps: int = 60,
                   patience: int = 3, start: Sequence[int] | None = None) -> list[int]:
     """A feasible seed in well under a second: greedy in group order (or ``start``, one
     strategy per node), then rounds of (a) an exact min-sum dynamic program over a spanning

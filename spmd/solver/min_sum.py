@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from spmd.solver.request import _Problem
+from spmd.solver.request import Reduced
 
 #: decode a plan (and read the bound) every this many forward-and-backward sweeps
 CHECK_EVERY = 5
@@ -43,13 +43,15 @@ class Diffused:
     bound: float  # seconds; <= the cost of every assignment of ``prob``
 
 
-def min_sum_seed(prob: _Problem, deadline: float, gap: float = 0.0) -> Diffused:
+def min_sum_seed(prob: Reduced, deadline: float, gap: float = 0.0,
+                 target: float | None = None) -> Diffused:
     """Diffuse until ``deadline``, until a decoded plan is within ``gap`` (relative) of the
-    bound, or until neither improves; return the best decoded plan and the bound.
+    bound (given ``target``, the cost of a plan found otherwise: until the bound is within
+    ``gap`` of it), or until neither improves; return the best decoded plan and the bound.
 
-    The bound holds for ``prob`` as given (pairwise costs and node costs; a request's charges
-    enter as ``_Problem.amortized`` spreads them, which never exceeds what they cost, and the
-    memory budget is left out, which only lowers it): so it bounds the request too.
+    The bound holds for ``prob`` as given (pairwise costs and node costs; the memory budget
+    is left out, which only lowers it): it bounds a request whose costs are never below
+    ``prob``'s (``Reduced.pairwise``).
     Forbidden (``inf``) costs become a finite penalty far above every real cost, which only
     lowers the bound; decoded plans avoid them wherever their neighbours allow.
     """
@@ -108,7 +110,8 @@ def min_sum_seed(prob: _Problem, deadline: float, gap: float = 0.0) -> Diffused:
         improved = value < best_value * (1 - 1e-9)
         if best is None or improved:
             best, best_value = pick, value
-        if (best_value - low <= gap * abs(best_value) or idle >= PATIENCE
+        stop = best_value if target is None else target
+        if (stop - low <= gap * abs(stop) or idle >= PATIENCE
                 or time.perf_counter() > deadline):
             break
         for _ in range(CHECK_EVERY):

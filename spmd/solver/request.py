@@ -2,9 +2,14 @@
 
 ``SolverRequest`` / ``SolverResult`` are what the planner and the solver exchange;
 ``validate``, ``evaluate`` and ``memory_peak`` check and score any assignment (e.g. a
-hand-written plan) with the same numbers the solver uses; ``_reduce`` folds a request into
-the per-group problem that both the local search and the CP-SAT model work on. Kept apart
-from ``spmd.solver`` so those two can use it without importing each other.
+hand-written plan) with the same numbers the solver uses; ``reduce`` folds a request into
+the per-group problem (``Reduced``) that the seeds and the CP-SAT model work on.
+
+Besides node and edge costs a request holds two kinds of term that no single node or edge
+can carry: *charges* (a cost paid once when any of its strategies is chosen: the latency
+that collectives XLA combines share) and *fan-outs* (a value resharded once per distinct
+spec its consumers want, however many consumers want it: XLA reshards a value once per
+target spec, so an edge per consumer would pay it again for each).
 """
 
 from __future__ import annotations
@@ -18,7 +23,11 @@ import numpy as np
 
 from spmd.errors import PlanError
 
-__all__ = ["SolverRequest", "SolverResult", "validate", "evaluate", "memory_peak"]
+__all__ = ["Fanout", "Reduced", "SolverRequest", "SolverResult", "evaluate", "memory_peak",
+           "reduce", "validate"]
+
+#: (producer node, costs[producer strategy][target], [(consumer node, target per strategy)])
+Fanout = tuple[int, Sequence[Sequence[float]], list[tuple[int, Sequence[int]]]]
 
 
 @dataclasses.dataclass
@@ -43,6 +52,10 @@ class SolverRequest:
         charges: (seconds, [(node, strategy), ...]) paid once when any listed strategy is
             chosen: the latency that independent collectives of one kind over the same mesh
             axes share once XLA combines them (a cost no single node or edge can carry).
+        fanouts: (producer, costs, consumers): each consumer's strategy names a target
+            (``targets[strategy]``, an index into the columns of ``costs``); every distinct
+            target the chosen strategies name costs ``costs[producer's strategy][target]``,
+            once. A value read by several consumers is resharded once per spec they want.
     """
 
     node_names: list[str]
@@ -57,6 +70,7 @@ class SolverRequest:
     warm_start: list[int] | None = None
     time_limit: float = 30.0
     charges: list[tuple[float, list[tuple[int, int]]]] = dataclasses.field(default_factory=list)
+    fanouts: list[Fanout] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> str:
         """Serialise (``inf`` as the string "inf") so a request can be saved and replayed."""
@@ -68,6 +82,8 @@ class SolverRequest:
         raw["edges"] = [tuple(e) for e in raw["edges"]]
         raw["charges"] = [(cost, [tuple(m) for m in members])
                           for cost, members in raw.get("charges", [])]
+        raw["fanouts"] = [(producer, costs, [(node, targets) for node, targets in consumers])
+                          for producer, costs, consumers in raw.get("fanouts", [])]
         return cls(**raw)
 
 
@@ -90,10 +106,10 @@ class SolverResult:
     num_constraints: int
     timed_out: bool
     #: CP-SAT stopped early, no better plan having come for a while
-    #: (see ``spmd.cpsat.STALL_FRACTION``)
+    #: (see ``SolverOptions.stall_seconds``)
     stalled: bool = False
     #: what proved ``bound``: "cp-sat", or "diffusion" (``spmd.min_sum``), whose bound
-    #: within ``spmd.solver.GAP`` of a seed skips CP-SAT
+    #: within ``SolverOptions.gap`` of a seed skips CP-SAT
     bound_from: str = "cp-sat"
 
 
@@ -181,12 +197,43 @@ def validate(request: SolverRequest) -> None:
             if not (0 <= v < n and 0 <= k < len(r.strategy_names[v])):
                 raise PlanError(f"solver request: charge {i} names strategy {k} of node {v}, "
                                 f"which does not exist")
+    for i, (producer, costs, consumers) in enumerate(r.fanouts):
+        _check_fanout(r, i, producer, costs, consumers)
     if r.memory_budget is not None and not r.memory_budget > 0:
         raise PlanError(f"solver request: memory_budget must be positive, got {r.memory_budget}")
     if r.warm_start is not None:
         _check_choice(r, r.warm_start, "warm_start")
     if not r.time_limit > 0:
         raise PlanError(f"solver request: time_limit must be positive, got {r.time_limit}")
+
+
+def _check_fanout(r: SolverRequest, i: int, producer: int, costs, consumers) -> None:
+    n = len(r.node_names)
+    where = f"solver request: fan-out {i}"
+    if not 0 <= producer < n:
+        raise PlanError(f"{where}: producer {producer} is not one of {n} nodes")
+    mat = np.asarray(costs, dtype=float)
+    k = len(r.strategy_names[producer])
+    if mat.ndim != 2 or mat.shape[0] != k:
+        raise PlanError(f"{where}: costs must have one row per strategy of node {producer} "
+                        f"({k}), got shape {mat.shape}")
+    if not (np.isfinite(mat).all() and (mat >= 0).all()):
+        raise PlanError(f"{where}: costs must be finite and non-negative")
+    if not consumers:
+        raise PlanError(f"{where}: no consumers")
+    for node, targets in consumers:
+        if not 0 <= node < n:
+            raise PlanError(f"{where}: consumer {node} is not one of {n} nodes")
+        if len(targets) != len(r.strategy_names[node]):
+            raise PlanError(f"{where}: consumer {node} needs one target per strategy "
+                            f"({len(r.strategy_names[node])}), got {len(targets)}")
+        if any(not 0 <= t < mat.shape[1] for t in targets):
+            raise PlanError(f"{where}: consumer {node} names a target outside the "
+                            f"{mat.shape[1]} columns of its costs")
+
+
+def _fanout_cost(costs, pick_producer: int, targets: set[int]) -> float:
+    return sum(float(costs[pick_producer][t]) for t in targets)
 
 
 def _check_choice(r: SolverRequest, choice: Sequence[int], what: str) -> None:
@@ -214,7 +261,7 @@ def _representatives(r: SolverRequest) -> list[int]:
 
 def evaluate(request: SolverRequest, choice: Sequence[int]) -> float:
     """Objective (seconds) of an assignment: Σ node costs + Σ edge costs + the charges some
-    chosen strategy incurs; ``inf`` if forbidden.
+    chosen strategy incurs + each fan-out's distinct targets; ``inf`` if forbidden.
 
     It does not enforce same_as or memory; see ``memory_peak``.
     """
@@ -224,6 +271,9 @@ def evaluate(request: SolverRequest, choice: Sequence[int]) -> float:
                  for e, (u, v) in enumerate(request.edges))
     total += sum(cost for cost, members in request.charges
                  if any(choice[v] == k for v, k in members))
+    total += sum(_fanout_cost(costs, choice[producer],
+                              {int(targets[choice[v]]) for v, targets in consumers})
+                 for producer, costs, consumers in request.fanouts)
     return float(total)
 
 
@@ -238,35 +288,94 @@ def memory_peak(request: SolverRequest, choice: Sequence[int]) -> float:
 
 
 @dataclasses.dataclass
-class _Problem:
-    """Costs per representative group, edges between groups, after folding and merging."""
+class Reduced:
+    """A request folded per representative group (tied nodes share one choice): costs per
+    group, pairwise matrices between groups, and the charges and fan-outs left over, in
+    group terms. The seeds and the CP-SAT model work on this."""
 
     groups: list[int]  # representative node ids
     group_of: list[int]  # node -> index into groups
     unary: list[np.ndarray]  # per group, seconds per strategy (inf: forbidden)
     pairs: dict[tuple[int, int], np.ndarray]  # (gu, gv), gu < gv -> matrix (inf: forbidden)
     charges: list[tuple[float, list[tuple[int, int]]]]  # as the request's, (group, strategy)
+    #: (producer group, costs, [(consumer group, targets)]) with at least two consumer groups
+    #: other than the producer's (fewer fold into unary and pairwise costs)
+    fanouts: list[tuple[int, np.ndarray, list[tuple[int, np.ndarray]]]] = \
+        dataclasses.field(default_factory=list)
 
     def total(self, pick: Sequence[int]) -> float:
         """Seconds of one strategy per group (``evaluate`` on the folded problem)."""
         return (sum(float(u[p]) for u, p in zip(self.unary, pick))
                 + sum(float(m[pick[a], pick[b]]) for (a, b), m in self.pairs.items())
                 + sum(cost for cost, members in self.charges
-                      if any(pick[g] == k for g, k in members)))
+                      if any(pick[g] == k for g, k in members))
+                + sum(_fanout_cost(costs, pick[gp], {int(t[pick[g]]) for g, t in consumers})
+                      for gp, costs, consumers in self.fanouts))
 
-    def amortized(self) -> "_Problem":
-        """The same problem with each charge spread evenly over the groups that can incur
-        it, as node costs: what the seeding moves and messages (pairwise only) can see.
-        Exact when all those groups incur it, below it when only some do."""
+    def pairwise(self, split: bool) -> "Reduced":
+        """The same problem in pairwise terms, which the seeding moves and messages see.
+
+        Each charge is spread evenly over the groups that can incur it, as node costs. Each
+        fan-out becomes one edge per consumer. ``split``: each target's cost is split evenly
+        between the consumers that can want it, exact when they all want it and lower
+        otherwise, so a bound on this problem bounds the request's. Else every consumer pays
+        its target in full: above the cost where consumers share a target, but moves and
+        decodes that see it avoid resharding a value for two consumers, which a split lets
+        each of them take for part of its price.
+        """
         unary = [u.copy() for u in self.unary]
         for cost, members in self.charges:
             groups = {g for g, _ in members}
             for g, k in members:
                 unary[g][k] += cost / len(groups)
-        return _Problem(self.groups, self.group_of, unary, self.pairs, [])
+        pairs = dict(self.pairs)
+        for gp, costs, consumers in self.fanouts:
+            paid = costs
+            if split:
+                wanting = np.zeros(costs.shape[1])
+                for _, targets in consumers:
+                    wanting[np.unique(targets)] += 1
+                paid = costs / np.maximum(wanting, 1.0)[None, :]
+            for g, targets in consumers:
+                if g == gp:
+                    unary[gp] += paid[np.arange(len(targets)), targets]
+                else:
+                    _add_pair(pairs, gp, g, paid[:, targets])
+        return Reduced(self.groups, self.group_of, unary, pairs, [], [])
 
 
-def _reduce(r: SolverRequest) -> _Problem:
+def _add_pair(pairs: dict, gu: int, gv: int, mat: np.ndarray) -> None:
+    """Add a (gu strategies x gv strategies) matrix to the pair (gu, gv), stored gu < gv."""
+    if gu > gv:
+        gu, gv, mat = gv, gu, mat.T
+    if (gu, gv) in pairs:
+        pairs[(gu, gv)] = pairs[(gu, gv)] + mat
+    else:
+        pairs[(gu, gv)] = mat.copy()
+
+
+def _distinct_sum(costs: np.ndarray, rows: list[np.ndarray], cols: list[np.ndarray],
+                  width: int) -> np.ndarray:
+    """M[i, j] = Σ over the distinct targets among ``rows[*][i]`` and ``cols[*][j]`` of
+    ``costs[i, target]``: a fan-out whose consumers fold into the producer's group (rows,
+    indexed by its strategy) and one other group (cols, indexed by that group's)."""
+    k = costs.shape[0]
+    out = np.zeros((k, width))
+    index = np.arange(k)[:, None]
+    seen: list[np.ndarray] = []
+    for t in [r[:, None] for r in rows] + [c[None, :] for c in cols]:
+        t = np.broadcast_to(t, (k, width))
+        fresh = np.ones((k, width), dtype=bool)
+        for s in seen:
+            fresh &= t != s
+        out += np.where(fresh, costs[index, t], 0.0)
+        seen.append(t)
+    return out
+
+
+def reduce(r: SolverRequest) -> Reduced:
+    """Fold a (valid) request per representative group; parallel edges merge, edges and
+    fan-outs touching single-strategy groups fold into their neighbours' costs."""
     rep = _representatives(r)
     groups = sorted(set(rep))
     index = {g: i for i, g in enumerate(groups)}
@@ -275,11 +384,10 @@ def _reduce(r: SolverRequest) -> _Problem:
     for v, costs in enumerate(r.node_costs):
         unary[group_of[v]] += np.asarray(costs, dtype=float)
     pairs: dict[tuple[int, int], np.ndarray] = {}
-    for e, (u, v) in enumerate(r.edges):
-        mat = np.asarray(r.edge_costs[e], dtype=float)
-        gu, gv = group_of[u], group_of[v]
+
+    def pair(gu: int, gv: int, mat: np.ndarray) -> None:
         if not np.any(mat):
-            continue
+            return
         if gu == gv:  # both ends share one choice: only the diagonal can happen
             unary[gu] += np.diag(mat)
         elif len(unary[gu]) == 1:
@@ -287,9 +395,40 @@ def _reduce(r: SolverRequest) -> _Problem:
         elif len(unary[gv]) == 1:
             unary[gu] += mat[:, 0]
         else:
-            if gu > gv:
-                gu, gv, mat = gv, gu, mat.T
-            pairs[(gu, gv)] = pairs[(gu, gv)] + mat if (gu, gv) in pairs else mat.copy()
+            _add_pair(pairs, gu, gv, mat)
+
+    for e, (u, v) in enumerate(r.edges):
+        pair(group_of[u], group_of[v], np.asarray(r.edge_costs[e], dtype=float))
+    fanouts: dict[tuple, list] = {}
+    for producer, costs, consumers in r.fanouts:
+        gp = group_of[producer]
+        costs = np.asarray(costs, dtype=float)
+        # Consumers with one strategy want a fixed target: paid for sure, once.
+        fixed = {int(t[0]) for v, t in consumers if len(unary[group_of[v]]) == 1}
+        if fixed:
+            unary[gp] += costs[:, sorted(fixed)].sum(axis=1)
+            costs = costs.copy()
+            costs[:, sorted(fixed)] = 0.0
+        free = [(group_of[v], np.asarray(t, dtype=np.intp)) for v, t in consumers
+                if len(unary[group_of[v]]) > 1]
+        others = sorted({g for g, _ in free if g != gp})
+        rows = [t for g, t in free if g == gp]
+        if len(others) <= 1:
+            width = len(unary[others[0]]) if others else 1
+            cols = [t for g, t in free if g != gp]
+            if rows or cols:
+                mat = _distinct_sum(costs, rows, cols, width)
+                if others:
+                    pair(gp, others[0], mat)
+                else:
+                    unary[gp] += mat[:, 0]
+            continue
+        key = (gp, tuple((g, t.tobytes()) for g, t in free))
+        if key in fanouts:
+            fanouts[key][1] = fanouts[key][1] + costs
+        else:
+            fanouts[key] = [gp, costs, free]
     charges = [(float(cost), sorted({(group_of[v], k) for v, k in members}))
                for cost, members in r.charges if cost > 0 and members]
-    return _Problem(groups, group_of, unary, pairs, charges)
+    return Reduced(groups, group_of, unary, pairs, charges,
+                   [(gp, costs, free) for gp, costs, free in fanouts.values()])

@@ -1,4 +1,6 @@
-"""Start N local processes that form one jax.distributed job (multi-host, tested on one box)."""
+"""Multi-process runs: joining the process group a mesh file names (``init_distributed``),
+and starting N local processes that form one jax.distributed job (``launch_local``: several
+hosts tested on one box)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,23 @@ import socket
 import subprocess
 import sys
 import threading
+
+from spmd.cluster.mesh import DeviceMesh
+
+__all__ = ["free_port", "init_distributed", "launch_local"]
+
+
+def init_distributed(mesh: DeviceMesh) -> None:
+    """Join the process group the mesh names (gloo collectives on CPU); no-op for one process."""
+    import jax
+
+    dist = mesh.distributed
+    if dist is None:
+        return
+    if mesh.platform == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(dist.coordinator, num_processes=dist.num_processes,
+                               process_id=dist.process_id)
 
 
 def free_port() -> int:

@@ -1,0 +1,125 @@
+"""A plan explained to a person: its input specs, how good the search's plan is, the
+predicted cost beside every hand-written plan's, and predicted against compiled.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import TYPE_CHECKING
+
+from spmd.cost.partitioner import COLLECTIVE_KINDS
+from spmd.sharding import bytes_per_device, format_spec
+
+if TYPE_CHECKING:
+    from spmd.plan import Plan
+
+__all__ = ["describe", "solver_summary"]
+
+
+def describe(plan: "Plan", max_rows: int | None = 60) -> str:
+    """A readable report of ``plan`` (``max_rows`` input rows at most; None: all)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    buf = io.StringIO()
+    console = Console(file=buf, width=120, record=False, force_terminal=False)
+    console.print(f"plan: method={plan.method}  {plan.mesh.describe()}")
+    table = Table(title="inputs", show_lines=False)
+    for col in ("tensor", "kind", "shape", "logical", "spec", "bytes/device"):
+        table.add_column(col, justify="right" if col == "bytes/device" else "left")
+    rows = list(zip(plan.leaves, plan.input_specs))
+    shown = rows if max_rows is None else rows[:max_rows]
+    for leaf, spec in shown:
+        logical = ",".join(n or "-" for n in leaf.logical) if leaf.logical else ""
+        table.add_row(leaf.path, leaf.kind, str(leaf.shape), logical, format_spec(spec),
+                      f"{bytes_per_device(leaf.shape, leaf.dtype, spec, plan.mesh.shape):,}")
+    if len(rows) > len(shown):
+        table.add_row(f"... {len(rows) - len(shown)} more", "", "", "", "", "")
+    console.print(table)
+    totals = plan.bytes_by_kind()
+    console.print("state per device: " + ", ".join(f"{k} {v / 2**20:.2f} MiB"
+                                                    for k, v in sorted(totals.items())))
+    if plan.search:
+        summary = solver_summary(plan.search)
+        if summary:
+            console.print(summary)
+        console.print("search: " + ", ".join(f"{k}={v}" for k, v in plan.search.items()
+                                              if not isinstance(v, (dict, list))))
+        timings = plan.search.get("timings")
+        if timings:
+            console.print("planning seconds: " + ", ".join(f"{k} {v:.2f}"
+                                                          for k, v in timings.items()))
+        if plan.search.get("fallbacks"):
+            console.print(f"replicated (no sharding rule): {plan.search['fallbacks']}")
+    if plan.prediction or plan.alternatives:
+        console.print(_prediction_table(plan))
+    if plan.measured and plan.prediction:
+        console.print(_measured_table(plan))
+        if plan.measured.get("comm_time") is not None:
+            unpriced = plan.measured.get("unpriced_collectives") or 0
+            console.print(
+                f"communication priced by the cost model: predicted "
+                f"{plan.prediction.comm_time * 1e3:.3f} ms, the HLO's collectives "
+                f"{plan.measured['comm_time'] * 1e3:.3f} ms (each priced alone, so an upper "
+                f"bound where XLA combined them"
+                + (f"; {unpriced} not priced: no whole-axis replica groups" if unpriced else "")
+                + ")")
+    elif plan.measured and plan.measured.get("memory"):
+        console.print(f"compiled: peak {plan.measured['memory']['peak_bytes'] / 2**20:.2f} "
+                      f"MiB per device")
+    return buf.getvalue()
+
+
+def solver_summary(search: dict) -> str | None:
+    """How good the search's plan is: the objective against the proven lower bound."""
+    s = search or {}
+    if s.get("objective") is None or s.get("bound") is None:
+        return None
+    objective, bound = s["objective"], s["bound"]
+    gap = (objective - bound) / objective if objective > 0 else 0.0
+    how = ("; stopped at the time limit" if s.get("timed_out")
+           else "; stopped early, no better plan coming" if s.get("stalled") else "")
+    kept = (f"; the hand-written plan {s['kept_hand_written']} scored better and is used"
+            if s.get("kept_hand_written") else "")
+    return (f"solver: {s.get('status')} in {s.get('search_seconds', 0):.2f} s, objective "
+            f"{objective * 1e3:.4g} ms, lower bound {bound * 1e3:.4g} ms "
+            f"({s.get('bound_from', 'cp-sat')}): within {gap:.2%} of optimal{how}{kept}")
+
+
+def _prediction_table(plan: "Plan"):
+    from rich.table import Table
+
+    table = Table(title="predicted cost per step (cost model)")
+    for col in ("plan", "compute ms", "comm ms", "total ms", "collective MiB", "memory MiB",
+                "note"):
+        table.add_column(col, justify="left" if col in ("plan", "note") else "right")
+    entries = ([(f"{plan.method} (this plan)", plan.prediction)] if plan.prediction else [])
+    entries += list(plan.alternatives.items())
+    for name, pred in entries:
+        if isinstance(pred, str) or pred is None:
+            table.add_row(name, "", "", "", "", "", pred or "")
+            continue
+        table.add_row(name, f"{pred.compute_time * 1e3:.3f}", f"{pred.comm_time * 1e3:.3f}",
+                      f"{pred.total_time * 1e3:.3f}", f"{pred.collective_bytes / 2**20:.3f}",
+                      f"{pred.memory_bytes / 2**20:.2f}", "")
+    return table
+
+
+def _measured_table(plan: "Plan"):
+    from rich.table import Table
+
+    table = Table(title="predicted vs compiled HLO (per device; XLA may combine "
+                  "collectives, so compare bytes)")
+    for col in ("kind", "pred count", "pred MiB", "HLO count", "HLO MiB"):
+        table.add_column(col, justify="left" if col == "kind" else "right")
+    pred = plan.prediction.collectives
+    meas = plan.measured["collectives"]
+    for kind in COLLECTIVE_KINDS:
+        pc, pb = pred.get(kind, (0, 0))
+        mc, mb = meas.get(kind, (0, 0))
+        if pc or mc:
+            table.add_row(kind, str(pc), f"{pb / 2**20:.3f}", str(mc), f"{mb / 2**20:.3f}")
+    if plan.measured.get("memory"):
+        table.add_row("peak memory", "", f"{plan.prediction.memory_bytes / 2**20:.3f}", "",
+                      f"{plan.measured['memory']['peak_bytes'] / 2**20:.3f}")
+    return table

@@ -1,0 +1,108 @@
+"""Which arrays are alive together: the memory half of the search.
+
+Every array value of the op graph is live from the node that produces it to its last
+consumer (program order = jaxpr order, as XLA's buffer assignment roughly schedules it);
+step inputs live throughout unless an output aliases them (donated: they die at their last
+use, while their new value lives to the end); constants live throughout. This module knows
+nothing about strategies: callers hand it the bytes each value takes per device (under one
+plan, or under each strategy of its group), so rematerialization and offload, which change
+what is live when, change this module only.
+
+>>> import jax, jax.numpy as jnp
+>>> from spmd.trace.graph import build_graph
+>>> g = build_graph(jax.make_jaxpr(lambda w, x: jnp.tanh(x @ w).sum())(jnp.ones((4, 4)), jnp.ones((8, 4))))
+>>> live = Liveness(g, donated=set())
+>>> [(g.nodes[v.node].kind, a, b) for v, a, b in live.intervals]
+[('input', 0, 5), ('input', 0, 5), ('op', 2, 3), ('op', 3, 4), ('op', 4, 5)]
+>>> live.peak(live.full_bytes)  # unsharded: both inputs, the product and its tanh
+448.0
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Sequence
+
+import numpy as np
+
+from spmd.trace.graph import Graph, Value
+
+__all__ = ["LIVENESS_POINTS", "Liveness"]
+
+#: program points with the most live bytes (replicated measure) at which a memory budget binds
+LIVENESS_POINTS = 50
+
+
+class Liveness:
+    """The live range of every array value of ``graph``.
+
+    Attributes:
+      intervals: ``(value, start, end)`` per array value (zero-byte values left out), in
+        program points: node ids, ``len(graph.nodes)`` being the step's end.
+      full_bytes: each value's unsharded bytes, in the order of ``intervals``.
+    """
+
+    def __init__(self, graph: Graph, donated: set[int]):
+        """``donated``: input indices whose buffer an output reuses (aliased outputs)."""
+        self.graph = graph
+        end_all = len(graph.nodes)
+        last = graph.last_use()
+        out: list[tuple[Value, int, int]] = []
+        for n in graph.nodes:
+            for k in range(len(n.op.out_shapes)):
+                v = Value(n.id, k)
+                if graph.value_bytes(v) == 0:
+                    continue
+                if n.kind == "input":
+                    end = last[n.id] if n.input_index in donated else end_all
+                    out.append((v, 0, min(end, end_all)))
+                elif n.kind == "const":
+                    out.append((v, 0, end_all))
+                else:
+                    out.append((v, n.id, last[n.id]))
+        self.intervals = out
+        self.starts = np.array([a for _, a, _ in out], dtype=np.int64)
+        self.ends = np.array([b for _, _, b in out], dtype=np.int64)
+        self.full_bytes = np.array([graph.value_bytes(v) for v, _, _ in out], dtype=float)
+        self.points = end_all + 1
+
+    def totals(self, nbytes: np.ndarray) -> np.ndarray:
+        """Live bytes at every program point, each value taking ``nbytes`` (per interval)."""
+        diff = np.zeros(self.points + 1)
+        np.add.at(diff, self.starts, nbytes)
+        np.add.at(diff, self.ends + 1, -nbytes)
+        return np.cumsum(diff)[: self.points]
+
+    def peak(self, nbytes: np.ndarray) -> float:
+        """The most bytes live at once, each value taking ``nbytes`` (per interval)."""
+        return float(self.totals(nbytes).max()) if len(nbytes) else 0.0
+
+    def busiest_points(self, count: int = LIVENESS_POINTS) -> list[int]:
+        """The ``count`` program points with the most live bytes unsharded, in program order:
+        where a memory budget can bind (a plan shards values alike, roughly)."""
+        totals = self.totals(self.full_bytes)
+        return sorted(np.argsort(-totals, kind="stable")[:count].tolist())
+
+    def live_at(self, point: int) -> np.ndarray:
+        """Indices (into ``intervals``) of the values live at ``point``."""
+        return np.nonzero((self.starts <= point) & (point <= self.ends))[0]
+
+    def own_peaks(self, owner: Sequence[int]) -> dict[int, np.ndarray]:
+        """Per owner (e.g. the solver group deciding each value's spec), the indices of its
+        values live at the point where its own values' unsharded bytes peak: the bytes a
+        group is charged per strategy in a liveness set."""
+        by_owner: dict[int, list[int]] = collections.defaultdict(list)
+        for i, o in enumerate(owner):
+            by_owner[o].append(i)
+        out = {}
+        for o, members in by_owner.items():
+            events = sorted([(int(self.starts[i]), self.full_bytes[i]) for i in members] +
+                            [(int(self.ends[i]) + 1, -self.full_bytes[i]) for i in members])
+            best_t, best, cur = 0, -1.0, 0.0
+            for t, d in events:
+                cur += d
+                if cur > best:
+                    best, best_t = cur, t
+            out[o] = np.array([i for i in members
+                               if self.starts[i] <= best_t <= self.ends[i]], dtype=np.int64)
+        return out

@@ -1,0 +1,150 @@
+"""Options, one frozen dataclass per concern, each field with one default, validated on
+construction: a bad value raises ``OptionsError`` naming the field and what is valid.
+
+``SolverOptions`` are the integer program's knobs (when a seed is final, how CP-SAT runs and
+when it stops); ``SearchOptions`` what ``method="auto"`` does (memory budget, time, which
+hand-written plans to score, the plan cache) and holds the solver's.
+
+>>> SearchOptions(time_limit=5).solver.gap
+0.001
+>>> SearchOptions(time_limit=0)
+Traceback (most recent call last):
+...
+spmd.errors.OptionsError: SearchOptions.time_limit must be > 0 (seconds), got 0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+from spmd.errors import OptionsError
+
+__all__ = ["CACHE_ENV", "SearchOptions", "SolverOptions"]
+
+CACHE_ENV = "SPMD_CACHE_DIR"
+
+
+def _check(owner: str, name: str, value: Any, ok: bool, valid: str) -> None:
+    if not ok:
+        raise OptionsError(f"{owner}.{name} must be {valid}, got {value!r}")
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class SolverOptions:
+    """How the integer program is solved (``spmd.solver.solve``).
+
+    Attributes:
+      gap: a seed proven within this relative gap of the lower bound is final and CP-SAT is
+        skipped (on 2 cores it would only spend its seconds confirming the seed).
+      refine: run CP-SAT from the best seed when the gap is not closed; False returns the
+        best seed (diffusion and local moves) as it is.
+      solve_share: the least share of the time limit left to CP-SAT once its model is
+        written; a model not written by then is dropped (the best seed is returned, timed out).
+      workers: CP-SAT search workers.
+      light_presolve_limit: models with more variables get one presolve round (the hinted
+        first plan comes in ~0.6 s instead of ~2 s on a 7,000-variable model).
+      presolve_limit: models with more variables skip presolve (on 2 cores it alone outlasts
+        a time limit of seconds).
+      stall_seconds: CP-SAT stops once no better plan came for max(this, ``stall_fraction``
+        x the time limit): on 2 cores its bound stays loose and waiting rarely pays.
+      stall_fraction: see ``stall_seconds``.
+      stall_gain: only plans better by this (relative) restart the stall clock (on large
+        models CP-SAT keeps finding plans better by a fraction of a percent).
+    """
+
+    gap: float = 1e-3
+    refine: bool = True
+    solve_share: float = 0.1
+    workers: int = 2
+    light_presolve_limit: int = 5_000
+    presolve_limit: int = 20_000
+    stall_seconds: float = 1.0
+    stall_fraction: float = 0.05
+    stall_gain: float = 0.005
+
+    def __post_init__(self) -> None:
+        own = "SolverOptions"
+        _check(own, "gap", self.gap, _number(self.gap) and 0 <= self.gap < 1, "in [0, 1)")
+        _check(own, "refine", self.refine, isinstance(self.refine, bool), "True or False")
+        _check(own, "solve_share", self.solve_share,
+               _number(self.solve_share) and 0 < self.solve_share <= 1, "in (0, 1]")
+        for name in ("workers", "light_presolve_limit", "presolve_limit"):
+            value = getattr(self, name)
+            _check(own, name, value, isinstance(value, int) and not isinstance(value, bool)
+                   and value >= (1 if name == "workers" else 0),
+                   "an integer >= 1" if name == "workers" else "an integer >= 0")
+        for name in ("stall_seconds", "stall_fraction", "stall_gain"):
+            value = getattr(self, name)
+            _check(own, name, value, _number(value) and value >= 0, "a number >= 0")
+
+    def stall_window(self, time_limit: float) -> float:
+        """How long CP-SAT may go without a better plan before the search stops early."""
+        return max(self.stall_seconds, self.stall_fraction * time_limit)
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchOptions:
+    """How ``method="auto"`` searches.
+
+    Attributes:
+      memory_budget: bytes per device a plan may use (default: the device's memory).
+      time_limit: seconds the solver may spend on the search; past it, the best plan found is
+        used and a warning says so.
+      compare: score every applicable hand-written plan on the search's own cost graph
+        (shown by ``Plan.describe``; the best one also warm-starts the solver and is kept
+        if the search ends slower).
+      score_time_limit: solver seconds for scoring one hand-written plan (its inputs are
+        fixed; at most ``time_limit``). A score is the solver's best seed (diffusion and
+        local moves, ``SolverOptions.refine`` off): it ranks the plans and seeds the search,
+        which does run CP-SAT; CP-SAT confirming each seed took ~3 s per plan on a 24-layer
+        GPT, most of the comparison's time.
+      rules: logical axis name -> mesh axes the user fixes (Flax-style logical rules);
+        parameters with a named dimension covered here are pinned, the rest is searched.
+      cache: reuse a saved plan for the same jaxpr, mesh and options.
+      cache_dir: where plans are saved (default ``$SPMD_CACHE_DIR`` or ~/.cache/spmd/plans).
+      solver: the integer program's options.
+    """
+
+    memory_budget: float | None = None
+    time_limit: float = 20.0
+    compare: bool = True
+    score_time_limit: float = 2.0
+    rules: Mapping[str, tuple[str, ...]] | None = None
+    cache: bool = True
+    cache_dir: str | None = None
+    solver: SolverOptions = SolverOptions()
+
+    def __post_init__(self) -> None:
+        own = "SearchOptions"
+        if self.memory_budget is not None:
+            _check(own, "memory_budget", self.memory_budget,
+                   _number(self.memory_budget) and self.memory_budget > 0,
+                   "> 0 (bytes per device) or None (the device's memory)")
+        for name in ("time_limit", "score_time_limit"):
+            value = getattr(self, name)
+            _check(own, name, value, _number(value) and value > 0, "> 0 (seconds)")
+        for name in ("compare", "cache"):
+            _check(own, name, getattr(self, name), isinstance(getattr(self, name), bool),
+                   "True or False")
+        _check(own, "rules", self.rules, self.rules is None or isinstance(self.rules, Mapping),
+               "a mapping of logical axis name to mesh axes, or None")
+        _check(own, "solver", self.solver, isinstance(self.solver, SolverOptions),
+               "a SolverOptions")
+
+    def directory(self) -> Path:
+        """Where plans are cached."""
+        default = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "spmd" / "plans"
+        return Path(self.cache_dir or default)
+
+    def scoring(self) -> tuple[float, SolverOptions]:
+        """The time limit and solver options for scoring one hand-written plan."""
+        return (min(self.time_limit, self.score_time_limit),
+                dataclasses.replace(self.solver, refine=False))
