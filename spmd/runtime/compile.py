@@ -11,10 +11,13 @@ from typing import Any, Mapping, Sequence
 
 import jax
 
+from spmd.cluster.mesh import DeviceMesh
 from spmd.plan import Plan
 from spmd.runtime.constrain import constrained
+from spmd.search.regions import RegionPlan
+from spmd.sharding import to_partition_spec
 
-__all__ = ["Executable", "prepare"]
+__all__ = ["Executable", "jit_region", "prepare"]
 
 
 @dataclasses.dataclass
@@ -62,3 +65,16 @@ def prepare(plan: Plan, donate: bool | None = None,
     jitted = jax.jit(fn, in_shardings=tuple(shardings),
                      out_shardings=tuple(plan.output_shardings_flat()), donate_argnums=donated)
     return Executable(plan, jitted, shardings, dict(compiler_options or {}))
+
+
+def jit_region(plan: RegionPlan, mesh: DeviceMesh):
+    """A region's program jitted on its (sub)mesh under its plan: what a pipeline stage
+    runs. Lower it with the avals of ``plan.inputs``."""
+    from jax.sharding import NamedSharding
+
+    jm = mesh.sharding_mesh()
+    run = constrained(plan.program, plan.result.constraints, jm)
+    shard = lambda spec: NamedSharding(jm, to_partition_spec(spec))  # noqa: E731
+    return jax.jit(lambda *flat: tuple(run(*flat)),
+                   in_shardings=tuple(shard(s) for s in plan.result.input_specs),
+                   out_shardings=tuple(shard(s) for s in plan.result.output_specs))

@@ -140,6 +140,8 @@ class Node:
       path: equation path (see module docstring); ``()`` for inputs and constants.
       name: the equation's name stack, e.g. ``jvp(Block_0)/transpose(jvp())``, or "".
       repeat: how often the node runs per step (the trip counts of the scans around it).
+      eqn: the equation an op node runs (its body's, for a node inside a scan).
+      scan: index into ``Graph.scans`` of the outermost scan the node belongs to, or -1.
     """
 
     id: int
@@ -151,6 +153,8 @@ class Node:
     name: str = ""
     input_index: int = -1
     repeat: int = 1
+    eqn: Any = dataclasses.field(default=None, repr=False)
+    scan: int = -1
 
     @property
     def key(self) -> str:
@@ -172,6 +176,17 @@ def operand_key(path: Path, index: int) -> str:
     return f"{key_of(path)} in {index}"
 
 
+@dataclasses.dataclass(frozen=True)
+class Scan:
+    """One scan equation of the step: the nodes it became (boundary pseudo-ops and its body,
+    ``nodes``), the values it reads and the ones it yields, as a unit that cannot be cut."""
+
+    eqn: Any
+    operands: tuple[Value | None, ...]
+    results: tuple[Value | None, ...]
+    nodes: tuple[int, ...]
+
+
 @dataclasses.dataclass
 class Graph:
     nodes: list[Node]
@@ -180,6 +195,8 @@ class Graph:
     output_literals: list[Any]
     #: (scan_carry node, scan_carry_out node) per loop-carried value: one spec for both
     loops: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    #: every scan equation (inner ones before the scans around them)
+    scans: list[Scan] = dataclasses.field(default_factory=list)
 
     @property
     def num_edges(self) -> int:
@@ -224,10 +241,12 @@ def build_graph(closed_jaxpr) -> Graph:
     env: dict[Any, Value] = {}
 
     loops: list[tuple[int, int]] = []
+    scans: list[Scan] = []
 
     def add(kind: str, op: Op, operands, path: Path, name: str = "", input_index: int = -1,
-            repeat: int = 1) -> Node:
-        node = Node(len(nodes), kind, op, tuple(operands), [], path, name, input_index, repeat)
+            repeat: int = 1, eqn: Any = None) -> Node:
+        node = Node(len(nodes), kind, op, tuple(operands), [], path, name, input_index, repeat,
+                    eqn)
         nodes.append(node)
         for v in operands:
             if v is not None and (not nodes[v.node].consumers or nodes[v.node].consumers[-1] != node.id):
@@ -259,6 +278,7 @@ def build_graph(closed_jaxpr) -> Graph:
         nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
         invars, outvars = body.jaxpr.invars, body.jaxpr.outvars
         inner = repeat * length
+        first = len(nodes)
         carried = [boundary("scan_carry", v, var, path + ("carry", k), repeat)
                    for k, (v, var) in enumerate(zip(operands[nc:nc + nk], invars[nc:nc + nk]))]
         sliced = [boundary("scan_slice", v, var, path + ("xs", k), repeat, stacked_in=length)
@@ -270,6 +290,10 @@ def build_graph(closed_jaxpr) -> Graph:
             loops.append((carried[k].node, results[-1].node))
         results += [boundary("scan_stack", v, var, path + ("ys", k), inner, stacked_out=length)
                     for k, (v, var) in enumerate(zip(outs[nk:], outvars[nk:]))]
+        members = tuple(n.id for n in nodes[first:] if n.kind == "op")
+        for n in members:  # the scans around this one come later and mark their own
+            nodes[n].scan = len(scans)
+        scans.append(Scan(eqn, tuple(operands), tuple(results), members))
         return results
 
     def run(jaxpr, consts: Sequence[Any], args: Sequence[Value | None], path: Path,
@@ -294,7 +318,7 @@ def build_graph(closed_jaxpr) -> Graph:
                         env[var] = v
                 continue
             op = Op.from_eqn(eqn)
-            node = add("op", op, operands, path + (i,), _name_stack(eqn), repeat=repeat)
+            node = add("op", op, operands, path + (i,), _name_stack(eqn), repeat=repeat, eqn=eqn)
             for k, var in enumerate(eqn.outvars):
                 env[var] = Value(node.id, k)
         return [read(a) for a in jaxpr.outvars]
@@ -308,7 +332,7 @@ def build_graph(closed_jaxpr) -> Graph:
         inputs.append(env[var].node)
     outs = run(jaxpr, (), [env[v] for v in jaxpr.invars], ())
     literals = [a.val if isinstance(a, jcore.Literal) else None for a in jaxpr.outvars]
-    return Graph(nodes, inputs, outs, literals, loops)
+    return Graph(nodes, inputs, outs, literals, loops, scans)
 
 
 def _name_stack(eqn) -> str:
