@@ -16,15 +16,11 @@ must be set before jax starts), under a per-case timeout, so a crash or a hang i
 recorded with its error text and the others still run. ``--worker MODEL MESH`` runs one case
 in-process and prints its JSON (what the driver calls).
 
-Acceptance criteria, checked per row:
-
-  A. pred:  auto's predicted step time <= the best hand-written plan's (same cost model).
-  B. bytes: auto's HLO collective bytes <= 1.05 x those of the best hand-written plan at no
-            more memory per device (arguments + temporaries): no hand-written plan needing
-            no more memory than auto moves fewer bytes. Reported beside it, "B strict": <= 1.05
-            x the fewest bytes of any hand-written plan *and* memory <= that plan's (1% slack
-            for XLA's buffer assignment), which a plan trading memory for time cannot meet.
-  C. model: auto's predicted collective bytes within 10% of its HLO-measured bytes.
+Each case is ``spmd.analysis.verify.compare`` (plan, compile every plan, measure) judged by
+``spmd.analysis.verify.judge`` against its ``CRITERIA`` (A: predicted time, B: HLO bytes at no
+more memory, B strict, B comm: priced communication, C: predicted vs HLO bytes); this script
+only picks the cases, runs each in its subprocess, runs auto's plan a few steps on the
+8-device meshes, and renders the table.
 
 Writes bench/results/auto_vs_manual.json and the section
 "## Auto vs hand-written plans (bench/auto_vs_manual.py)" of bench/RESULTS.md.
@@ -48,6 +44,8 @@ try:  # run as a script (python bench/auto_vs_manual.py): bench/ is on sys.path
     import common
 except ImportError:  # python -m bench.auto_vs_manual
     from bench import common
+
+from spmd.analysis import verify
 
 SECTION = "## Auto vs hand-written plans (bench/auto_vs_manual.py)"
 
@@ -88,10 +86,6 @@ MESHES: dict[str, tuple[int, str, bool]] = {
 #: 8 simulated CPU devices its replicated state alone would need 8 x 21 GB
 DEFAULT_MODELS = [m for m in MODELS if m != "gpt-1.3b"]
 DEFAULT_MESHES = list(MESHES)
-BYTES_SLACK = 1.05      # criterion B
-MEMORY_SLACK = 1.01     # criterion B strict: XLA's peak moves by a little between equivalent plans
-PRED_TOLERANCE = 0.10   # criterion C
-TIME_EPS = 1e-9         # criterion A: relative float slack
 
 
 # ------------------------------------------------------------------------------ one case
@@ -119,36 +113,15 @@ def _get_model(name: str):
     return spec, batch or spec.default_batch_size, overrides
 
 
-def _pred_bytes(pred: dict) -> float:
-    return float(sum(b for _, b in pred["collectives"].values()))
-
-
-def _report_dict(report, mesh) -> dict[str, Any]:
-    mem = report.memory
-    comm, unpriced = report.comm_time(mesh)
-    return {
-        "collectives": {k: [c, b] for k, (c, b) in report.collectives.items()},
-        "total_collective_bytes": report.total_collective_bytes,
-        # the HLO's collectives priced by the cost model (each alone), on the scale of the
-        # predictions: compares plans as XLA runs them, not as the search scored them
-        "comm_time": comm, "unpriced_collectives": unpriced,
-        "peak_bytes": None if mem is None else mem.peak_bytes,
-        "memory": None if mem is None else {
-            "argument_bytes": mem.argument_bytes, "output_bytes": mem.output_bytes,
-            "temp_bytes": mem.temp_bytes, "alias_bytes": mem.alias_bytes},
-        "flops": report.flops,
-    }
-
-
 def run_case(model_name: str, mesh_name: str, time_limit: float, steps: int) -> dict[str, Any]:
-    """Plan, compile (and on real meshes run) one model on one mesh; JSON-ready numbers."""
+    """Plan, compile and judge one model on one mesh (``spmd.analysis.verify.compare``), and on
+    the 8-device meshes run auto's plan a few steps; JSON-ready numbers."""
     import jax
     import numpy as np
     from flax import nnx
 
     import spmd
-    from spmd.manual import applicable_methods, manual_specs
-    from spmd.planner import SearchOptions
+    from spmd.analysis import verify
 
     devices, _, runnable = MESHES[mesh_name]
     mesh = _build_mesh(mesh_name)
@@ -165,41 +138,17 @@ def run_case(model_name: str, mesh_name: str, time_limit: float, steps: int) -> 
         net = spec.create(0)
         return net, spec.optimizer(net)
 
-    abstract_model, abstract_opt = nnx.eval_shape(create)
-    abstract_batch = jax.eval_shape(lambda: spec.batch(batch_size, 0))
-    args = (abstract_model, abstract_opt, abstract_batch)
-
-    # A fresh cache directory: the search really runs, and parallelize() below loads the
-    # plan it saved instead of searching a second time.
-    cache_dir = tempfile.mkdtemp(prefix="spmd-auto-vs-manual-")
-    options = SearchOptions(time_limit=time_limit, compare=True, cache=True, cache_dir=cache_dir)
+    args = (*nnx.eval_shape(create), jax.eval_shape(lambda: spec.batch(batch_size, 0)))
+    options = spmd.SearchOptions(time_limit=time_limit, compare=True, cache=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        t0 = time.perf_counter()
         plan = spmd.plan(spec.train_step, *args, mesh=mesh, method="auto", options=options)
-        out["plan_s"] = time.perf_counter() - t0
+        out.update(verify.compare(spec.train_step, *args, mesh=mesh, auto=plan))
     out["warnings"] = sorted({str(w.message) for w in caught})
-    out["prediction"] = plan.prediction
-    out["search"] = plan.search
-    out["alternatives"] = plan.alternatives
-    out["auto_specs"] = {l.path: [list(a) for a in s] for l, s in zip(plan.leaves, plan.input_specs)}
-    out["auto_state_bytes"] = plan.bytes_by_kind()
-
-    # --- auto: compile (and run on the 8-device meshes) --------------------------------------
-    step = spmd.parallelize(spec.train_step, mesh=mesh, method="auto", options=options)
-    t0 = time.perf_counter()
-    if runnable:
+    if runnable:  # the auto plan, run a few steps on the 8 simulated devices
+        step = spmd.ParallelStep.from_plan(plan)
         net, opt = spmd.materialize(create, plan)
         batch = spmd.shard_batch(plan, spmd.process_local_batch(plan, spec.batch(batch_size, 0)))
-        compiled = step.compile(net, opt, batch)  # the executable the steps below run
-    else:
-        compiled = step.lower(*args).compile()
-    out["auto_compile_s"] = time.perf_counter() - t0
-    if step.plan.search and "cache" not in step.plan.search:
-        out["warnings"].append("parallelize() searched again instead of loading the cached plan")
-    report = spmd.analyze(compiled)
-    out["auto_hlo"] = _report_dict(report, mesh)
-    if runnable:
         losses, times = [], []
         for _ in range(steps):
             t0 = time.perf_counter()
@@ -207,150 +156,7 @@ def run_case(model_name: str, mesh_name: str, time_limit: float, steps: int) -> 
             losses.append(float(np.asarray(jax.device_get(metrics["loss"]))))
             times.append(time.perf_counter() - t0)
         out["auto_losses"], out["auto_step_s"] = losses, times
-        del net, opt, batch
-    del compiled, step
-
-    # --- every applicable hand-written plan: compile only (abstract arguments) -----------------
-    reasons = applicable_methods(plan.leaves, mesh)
-    manual: dict[str, Any] = {}
-    for method, why_not in reasons.items():
-        if why_not:
-            manual[method] = {"applicable": False, "reason": why_not}
-            continue
-        # A plan whose every input stays whole on every device (e.g. tp on 8x1: the model
-        # axis has size 1) runs the whole step on each device: no collectives, no speed-up.
-        specs = manual_specs(plan.leaves, method, mesh)
-        splits = any(mesh.axis_size(tuple(axes)) > 1 for spec in specs for axes in spec if axes)
-        try:
-            t0 = time.perf_counter()
-            mstep = spmd.parallelize(spec.train_step, mesh=mesh, method=method)
-            mcompiled = mstep.lower(*args).compile()
-            entry = {"applicable": True, "splits": splits, "compile_s": time.perf_counter() - t0,
-                     **_report_dict(spmd.analyze(mcompiled), mesh)}
-            del mcompiled, mstep
-        except Exception as err:  # noqa: BLE001 - recorded, the other plans still run
-            entry = {"applicable": True, "splits": splits,
-                     "error": f"{type(err).__name__}: {err}"}
-        manual[method] = entry
-    out["manual"] = manual
     return out
-
-
-# ------------------------------------------------------------------------------ criteria
-
-
-def _mem(entry: dict[str, Any]) -> int | None:
-    """Per-device memory: arguments + temporaries. On CPU XLA's own peak_memory_in_bytes comes
-    out at the argument bytes and leaves temporaries out (see bench/manual_plans.py), so the
-    reported peak would miss activations; outputs are donated into the arguments."""
-    mem = entry.get("memory")
-    if mem:
-        return mem["argument_bytes"] + mem["temp_bytes"]
-    return entry.get("peak_bytes")
-
-
-def _splits(entry: dict[str, Any], case: dict[str, Any]) -> bool:
-    if "splits" in entry:
-        return bool(entry["splits"])
-    # older results: a train step split over >1 device always needs some collective
-    return entry["total_collective_bytes"] > 0 or case.get("devices", 1) <= 1
-
-
-#: what each criterion checks (stored with every run)
-CRITERIA = {"A": "auto predicted time <= best hand-written predicted time",
-             "B": f"auto HLO bytes <= {BYTES_SLACK} x the fewest of the hand-written "
-                  f"plans whose arg+temp memory is no more than auto's",
-             "B_strict": f"auto HLO bytes <= {BYTES_SLACK} x fewest hand-written HLO "
-                         f"bytes, auto arg+temp memory <= {MEMORY_SLACK} x that plan's",
-             "B_comm": f"auto HLO collectives priced by the cost model <= "
-                       f"{BYTES_SLACK} x the least of the hand-written plans whose "
-                       f"arg+temp memory is no more than auto's",
-             "C": f"|predicted / HLO bytes - 1| <= {PRED_TOLERANCE}"}
-
-
-def _dominated(auto_value: float, manual_values: dict[str, float],
-               compiled: dict[str, Any], auto_peak: float | None) -> list[str]:
-    """Hand-written plans that beat auto on both: a measure (bytes or priced communication)
-    below auto's beyond the 5% slack, at no more memory than auto needs."""
-    return sorted(
-        k for k, value in manual_values.items()
-        if auto_value > BYTES_SLACK * value
-        and (auto_peak is None or _mem(compiled[k]) is None or _mem(compiled[k]) <= auto_peak))
-
-
-def summarize(case: dict[str, Any]) -> dict[str, Any]:
-    """The table row and the acceptance criteria (``CRITERIA``) for one finished case."""
-    s: dict[str, Any] = {}
-    pred = case["prediction"]
-    s["auto_pred_s"] = pred["total_time"]
-    scored = {k: v for k, v in case["alternatives"].items() if isinstance(v, dict)}
-    s["not_scored"] = {k: v for k, v in case["alternatives"].items()
-                       if isinstance(v, str) and not v.startswith("does not apply")}
-    if scored:
-        name = min(scored, key=lambda k: scored[k]["total_time"])
-        s["best_manual_pred"] = (name, scored[name]["total_time"])
-    else:
-        s["best_manual_pred"] = None
-    auto_hlo = case["auto_hlo"]
-    s["auto_hlo_bytes"] = auto_hlo["total_collective_bytes"]
-    s["auto_peak"] = _mem(auto_hlo)
-    compiled = {k: v for k, v in case["manual"].items()
-                if v.get("applicable") and "error" not in v}
-    # Hand-written plans that split nothing on this mesh (every device runs the whole step)
-    # move no bytes but are no parallel plan: left out of the bytes comparison.
-    s["replicated_manual"] = sorted(k for k, v in compiled.items() if not _splits(v, case))
-    compiled = {k: v for k, v in compiled.items() if k not in s["replicated_manual"]}
-    s["manual_errors"] = {k: v["error"] for k, v in case["manual"].items() if "error" in v}
-    if compiled:
-        name = min(compiled, key=lambda k: (compiled[k]["total_collective_bytes"],
-                                            _mem(compiled[k]) or 0))
-        s["best_manual_hlo"] = (name, compiled[name]["total_collective_bytes"],
-                                _mem(compiled[name]))
-    else:
-        s["best_manual_hlo"] = None
-    # Communication of the compiled programs, priced by the cost model (older results lack it)
-    s["auto_hlo_comm_s"] = auto_hlo.get("comm_time")
-    priced = {k: v["comm_time"] for k, v in compiled.items() if v.get("comm_time") is not None}
-    s["best_manual_hlo_comm"] = (min(priced.items(), key=lambda kv: kv[1]) if priced else None)
-    pb = _pred_bytes(pred)
-    s["pred_bytes"] = pb
-    hb = s["auto_hlo_bytes"]
-    s["pred_over_hlo"] = (pb / hb) if hb else (1.0 if pb == 0 else math.inf)
-
-    # A: predicted time
-    if s["best_manual_pred"] is None:
-        s["A"] = None
-    else:
-        s["A"] = s["auto_pred_s"] <= s["best_manual_pred"][1] * (1 + TIME_EPS)
-    # B: HLO bytes at no more memory. As filed: auto's bytes <= 1.05 x those of the best
-    # hand-written plan at no more memory per device, i.e. of the plan with the fewest bytes
-    # among those needing no more memory than auto. It fails exactly when a hand-written
-    # plan beats auto on both (``dominated_by``); none such passes (auto needs the least).
-    if s["best_manual_hlo"] is None:
-        s["B"] = s["B_strict"] = None
-    else:
-        s["dominated_by"] = _dominated(
-            hb, {k: v["total_collective_bytes"] for k, v in compiled.items()}, compiled,
-            s["auto_peak"])
-        s["B"] = not s["dominated_by"]
-        # Stricter: against the fewest-bytes hand-written plan whatever its memory, auto
-        # must match its bytes *and* its memory (fails wherever auto trades one for speed).
-        _, mb, mpeak = s["best_manual_hlo"]
-        s["B_strict"] = hb <= BYTES_SLACK * mb and (
-            s["auto_peak"] is None or mpeak is None or s["auto_peak"] <= MEMORY_SLACK * mpeak)
-    # B comm: the same comparison with each compiled program's collectives priced by the
-    # cost model (``Report.comm_time``) instead of counted in bytes. On a two-level mesh a
-    # plan can move more bytes over NVLink to move fewer over InfiniBand; bytes count that
-    # against it, time does not.
-    auto_comm = s["auto_hlo_comm_s"]
-    if auto_comm is None or not priced:
-        s["B_comm"] = None
-    else:
-        s["comm_dominated_by"] = _dominated(auto_comm, priced, compiled, s["auto_peak"])
-        s["B_comm"] = not s["comm_dominated_by"]
-    # C: predicted vs measured bytes
-    s["C"] = abs(s["pred_over_hlo"] - 1.0) <= PRED_TOLERANCE
-    return s
 
 
 # ------------------------------------------------------------------------------ driver
@@ -582,8 +388,8 @@ def main(argv: list[str] | None = None) -> int:
         data = json.loads(args.rerender.read_text())
         for case in data["cases"]:
             if "error" not in case:
-                case["summary"] = summarize(case)
-        data["criteria"] = CRITERIA
+                case["summary"] = verify.judge(case)
+        data["criteria"] = verify.CRITERIA
         out, md = common.outputs(args, "auto_vs_manual", default_json=args.rerender)
         common.write_json(data, out)
         if md is not None:
@@ -608,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": common.utc_date(),
         "time_limit": args.time_limit,
         "steps": args.steps,
-        "criteria": CRITERIA,
+        "criteria": verify.CRITERIA,
         "planned_cases": len(model_names) * len(mesh_names),
         "cases": [],
     }
@@ -633,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         for model in model_names:
             case = run_worker_subprocess(model, mesh, args)
             if "error" not in case:
-                case["summary"] = summarize(case)
+                case["summary"] = verify.judge(case)
             data["cases"].append(case)
             print_row(case)
             # after every case, so an interrupted run keeps what it measured

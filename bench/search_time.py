@@ -1,21 +1,26 @@
-"""How the sharding search scales with model depth: GPT (gpt-tiny's width) at 12, 24, 48 and
-96 layers, planned on a virtual 2x4 mesh (meshes/cpu-8.yaml, ``virtual=True``) from the
-abstract model (``nnx.eval_shape``; nothing is allocated or compiled).
+"""How long planning takes: the search against model depth, and what comparing it with the
+hand-written plans adds.
 
-    python bench/search_time.py                          # 12, 24, 48, 96 layers
-    python bench/search_time.py --layers 12,24 --time-limit 10
+1. Depth: GPT (gpt-tiny's width) at 12, 24, 48 and 96 layers, planned on a virtual 2x4 mesh
+   (meshes/cpu-8.yaml, ``virtual=True``) from the abstract model (``nnx.eval_shape``; nothing
+   is allocated or compiled) with ``SearchOptions(cache=False, compare=False)``. Reported per
+   depth: the phases the plan records itself (``Plan.search["timings"]``: tracing the step,
+   building the op graph, pricing the cost graph, the search's request, solve and
+   prediction), the graph before and after simplification, the solver status, and the
+   growth of the whole ``spmd.plan`` call per doubling of depth.
+   Targets: 24 layers in <= 10 s on 2 cores; no worse than linear growth (ratio <= 2 per
+   doubling; 10% slack for a noisy shared machine).
+2. Comparison: a 24-layer GPT of width 256 (adamw) on the virtual 2x4 A100 mesh
+   (meshes/a100-8.yaml), planned with ``compare=False`` and with the default
+   ``compare=True`` (every applicable hand-written plan scored on the search's cost graph),
+   one after the other in one run. Target: the default at most 1.5x the ``compare=False``
+   time.
 
-Each depth runs in its own subprocess under a timeout (a crash or a hang is recorded with
-its error text) with ``SearchOptions(cache=False, compare=False)``. Reported per depth: the
-time split (tracing the step, building the graph, setting up the problem, the solver), the
-graph before and after simplification (``Plan.search``: graph_nodes/edges, solver_nodes/
-edges, free_nodes, variables, tied, ...), the solver status, and the growth ratio of the
-whole ``spmd.plan`` call per doubling of depth.
+    python bench/search_time.py                          # both
+    python bench/search_time.py --layers 12,24 --time-limit 10 --no-compare
 
-Targets: 24 layers in <= 10 s on 2 cores; no worse than linear growth (ratio <= 2 per
-doubling; 10% slack for a noisy shared machine).
-
-Writes bench/results/search_time.json and the section
+Each case runs in its own subprocess under a timeout (a crash or a hang is recorded with its
+error text). Writes bench/results/search_time.json and the section
 "## Search time vs depth (bench/search_time.py)" of bench/RESULTS.md.
 """
 
@@ -41,121 +46,61 @@ MESH = "meshes/cpu-8.yaml"
 DEFAULT_LAYERS = (12, 24, 48, 96)
 TARGET_LAYERS, TARGET_SECONDS = 24, 10.0
 LINEAR_SLACK = 1.10  # growth per doubling must be <= 2 x this
+#: the comparison case: a 24-layer GPT of width 256 on a virtual 2x4 A100 mesh
+COMPARE_MESH = "meshes/a100-8.yaml"
+COMPARE_WIDTH = dict(num_layers=24, d_model=256, num_heads=8, head_dim=32, d_ff=1024,
+                     vocab_size=2048, seq_len=64)
+COMPARE_BATCH = 16
+COMPARE_TARGET = 1.5
 
 
-class _Timers:
-    """Wraps module functions to add up the time spent in them (restored on exit)."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self.calls: dict[str, int] = {}
-        self._undo: list[tuple[Any, str, Any]] = []
-
-    def _timed(self, fn: Any, label: str) -> Any:
-        """``fn``, adding its calls and seconds to ``label``."""
-        def timed(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                self.seconds[label] += time.perf_counter() - t0
-                self.calls[label] += 1
-
-        return timed
-
-    def _replace(self, owner: Any, attr: str, label: str, make: Any) -> bool:
-        fn = getattr(owner, attr, None)
-        if fn is None or not callable(fn):
-            return False
-        self.seconds.setdefault(label, 0.0)
-        self.calls.setdefault(label, 0)
-        setattr(owner, attr, make(fn))
-        self._undo.append((owner, attr, fn))
-        return True
-
-    def wrap(self, owner: Any, attr: str, label: str) -> bool:
-        return self._replace(owner, attr, label, lambda fn: self._timed(fn, label))
-
-    def wrap_factory(self, owner: Any, attr: str, label: str) -> bool:
-        """Like wrap, for ``f(fn) -> callable`` (jax.make_jaxpr): times the returned callable."""
-        return self._replace(owner, attr, label, lambda factory: lambda *a, **k:
-                             self._timed(factory(*a, **k), label))
-
-    def __enter__(self) -> "_Timers":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for owner, attr, fn in reversed(self._undo):
-            setattr(owner, attr, fn)
-
-
-def run_depth(layers: int, time_limit: float | None) -> dict[str, Any]:
-    """Plan GPT with ``layers`` layers once, timing each phase."""
+def run_case(layers: int, time_limit: float | None, compare: bool, wide: bool) -> dict[str, Any]:
+    """Plan one GPT once; the plan says where its time went."""
     import jax
     from flax import nnx
 
     import models
     import spmd
-    import spmd.search.intra_op
-    import spmd.search.costgraph
-    import spmd.planner
-    from spmd.planner import SearchOptions
 
-    mesh = spmd.load_mesh(common.REPO_ROOT / MESH, virtual=True)
-    spec = models.get("gpt-tiny").with_config(num_layers=layers)
-    batch_size = spec.default_batch_size
+    mesh = spmd.load_mesh(common.REPO_ROOT / (COMPARE_MESH if wide else MESH), virtual=True)
+    base = models.get("gpt-tiny")
+    spec = base.with_config(**COMPARE_WIDTH) if wide else base.with_config(num_layers=layers)
+    batch_size = COMPARE_BATCH if wide else spec.default_batch_size
 
     def create():
         net = spec.create(0)
         return net, spec.optimizer(net)
 
-    t0 = time.perf_counter()
     abstract_model, abstract_opt = nnx.eval_shape(create)
     abstract_batch = jax.eval_shape(lambda: spec.batch(batch_size, 0))
-    eval_shape_s = time.perf_counter() - t0
     kwargs = {} if time_limit is None else {"time_limit": time_limit}
-    options = SearchOptions(cache=False, compare=False, **kwargs)
-
-    with _Timers() as timers, warnings.catch_warnings(record=True) as caught:
+    options = spmd.SearchOptions(cache=False, compare=compare, **kwargs)
+    with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        # jax.make_jaxpr as spmd.search calls it: the trace of the whole step
-        timers.wrap_factory(jax, "make_jaxpr", "trace")
-        # the op graph is built once, in spmd.search, before the search (and its scoring)
-        timers.wrap(spmd.search, "build_graph", "graph_build")
-        # _solve = the problem's solver request (p.request) + the solver call (solve)
-        timers.wrap(getattr(spmd.problem, "Problem", None), "request", "request")
-        timers.wrap(spmd.auto, "solve", "solve_call")
         t0 = time.perf_counter()
         plan = spmd.plan(spec.train_step, abstract_model, abstract_opt, abstract_batch,
                          mesh=mesh, method="auto", options=options)
         total_s = time.perf_counter() - t0
     stats = dict(plan.search or {})
-    search_s = stats.get("search_seconds")
-    split = {k: timers.seconds[k] for k in timers.seconds}
-    # What the wrappers cannot see: the step's signature (flattening, classification) and the
-    # cache key before the search, the problem set-up (strategies, costs, ties) inside it.
-    if search_s is not None:
-        split["outside_search"] = total_s - search_s
-        if all(k in split for k in ("request", "solve_call")):
-            split["problem_setup"] = (search_s - split["request"]
-                                      - split["solve_call"])
-    split["solver"] = stats.get("solve_seconds")
     return {
-        "layers": layers, "param_count": spec.param_count(), "batch_size": batch_size,
+        "layers": spec.config.num_layers, "param_count": spec.param_count(),
+        "batch_size": batch_size, "compare": compare, "wide": wide,
         "config": {k: getattr(spec.config, k) for k in spec.config.__dataclass_fields__},
-        "mesh": MESH, "time_limit": options.time_limit,
-        "eval_shape_s": eval_shape_s, "total_s": total_s, "search_s": search_s,
-        "split_s": split, "calls": dict(timers.calls), "stats": stats,
+        "mesh": COMPARE_MESH if wide else MESH, "time_limit": options.time_limit,
+        "total_s": total_s, "timings": stats.get("timings", {}), "stats": stats,
         "warnings": sorted({str(w.message) for w in caught}),
-        "prediction": plan.prediction,
+        "prediction": plan.prediction.to_dict(),
+        "alternatives": {k: v if isinstance(v, str) else v.to_dict()
+                         for k, v in plan.alternatives.items()},
     }
 
 
-def run_subprocess(layers: int, args) -> dict[str, Any]:
+def run_subprocess(layers: int, args, compare: bool = False, wide: bool = False) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
         result_path = Path(fh.name)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(layers),
-           "--result", str(result_path)]
+           "--result", str(result_path)] + (["--worker-compare"] if compare else []) + (
+           ["--worker-wide"] if wide else [])
     if args.time_limit is not None:
         cmd += ["--time-limit", str(args.time_limit)]
     t0 = time.perf_counter()
@@ -201,30 +146,39 @@ def growth(runs: list[dict[str, Any]]) -> None:
         prev = r
 
 
+#: the phases ``Plan.search["timings"]`` records, in the order they run
+PHASES = [("trace", "trace"), ("graph", "graph"), ("cost graph", "cost_graph"),
+          ("baselines", "baselines"), ("request", "search_request"),
+          ("solve", "search_solve"), ("predict", "search_predict")]
+
+
+def _other(r: dict[str, Any]) -> float:
+    """Seconds of the plan call outside the recorded phases."""
+    t = r["timings"]
+    return r["total_s"] - sum(t.get(k, 0.0) for k in ("trace", "cache", "graph", "cost_graph",
+                                                       "baselines", "search"))
+
+
 def render(data: dict[str, Any]) -> str:
-    headers = ["layers", "params", "total s", "x per doubling", "trace s", "graph s",
-               "setup s", "request s", "solve s", "solver s", "other s", "graph nodes", "graph edges", "graph ops",
-               "solver nodes", "solver edges", "free nodes", "variables", "tied",
-               "followers merged", "status"]
+    headers = (["layers", "params", "total s", "x per doubling"]
+               + [f"{name} s" for name, _ in PHASES if name != "baselines"] + ["other s"]
+               + ["graph nodes", "graph ops", "solver nodes", "solver edges", "fan-outs",
+                  "free nodes", "variables", "tied", "followers merged", "status"])
     rows, failures, notes = [], [], []
     for r in data["runs"]:
         if "error" in r:
             rows.append([r["layers"], "", "error"] + [""] * (len(headers) - 3))
             failures.append(f"- {r['layers']} layers: `{r['error']}`")
             continue
-        s, st = r["split_s"], r["stats"]
-        rows.append([
-            r["layers"], f"{r['param_count']:,}", _f(r["total_s"]),
-            "" if r["growth"] is None else f"{r['growth']:.2f}",
-            _f(s.get("trace")), _f(s.get("graph_build")), _f(s.get("problem_setup")),
-            _f(s.get("request")), _f(s.get("solve_call")), _f(s.get("solver")),
-            _f(None if s.get("outside_search") is None or s.get("trace") is None
-               else s["outside_search"] - s["trace"] - s.get("graph_build", 0.0)),
-            st.get("graph_nodes", ""), st.get("graph_edges", ""), st.get("graph_ops", ""),
-            st.get("solver_nodes", ""), st.get("solver_edges", ""), st.get("free_nodes", ""),
-            st.get("variables", ""), st.get("tied", ""), st.get("followers_merged", ""),
-            st.get("status", ""),
-        ])
+        t, st = r["timings"], r["stats"]
+        rows.append([r["layers"], f"{r['param_count']:,}", _f(r["total_s"]),
+                     "" if r["growth"] is None else f"{r['growth']:.2f}"]
+                    + [_f(t.get(key)) for name, key in PHASES if name != "baselines"]
+                    + [_f(_other(r))]
+                    + [st.get(k, "") for k in ("graph_nodes", "graph_ops", "solver_nodes",
+                                                "solver_edges", "fanouts", "free_nodes",
+                                                "variables", "tied", "followers_merged",
+                                                "status")])
         for w in r["warnings"]:
             notes.append(f"- {r['layers']} layers: warning: {w}")
     v = data["verdict"]
@@ -242,26 +196,61 @@ def render(data: dict[str, Any]) -> str:
         + (f", time_limit={data['time_limit']:g}" if data["time_limit"] is not None else "")
         + ")`, one fresh process per depth. Nothing is compiled.",
         "",
-        "Columns: total s is the whole `spmd.plan` call; the split: trace = `jax.make_jaxpr` "
-        "of the step, graph = `spmd.graph.build_graph` (once, before the search), setup = the rest of the search "
-        "(`spmd.problem.Problem`: strategies, costs, ties; stats), request = `Problem.request` (the "
-        "solver's input: edge cost matrices, liveness), solve = `spmd.auto.solve` (model "
-        "building and solving), of which solver = `plan.search['solve_seconds']`, other = "
-        "the step's signature and the cache key. "
-        "Graph columns are `plan.search`: graph_* before simplification, solver_* after "
-        "(free nodes are those not tied to another layer's; variables = strategies over "
-        "free nodes with a choice). x per doubling = total s over the previous depth's.",
+        "Columns: total s is the whole `spmd.plan` call; the phases are what the plan records "
+        "itself in `plan.search['timings']`: trace = the step's signature and `jax.make_jaxpr`, "
+        "graph = `build_graph`, cost graph = strategies, costs, followers and ties "
+        "(`spmd.search.costgraph`), request / solve / predict = the search's (solve: diffusion, "
+        "local moves and, when the gap stays open, CP-SAT), other = the rest (warnings, the "
+        "plan object). Graph columns are `plan.search`: graph_* before simplification, "
+        "solver_* after (fan-outs: values read by several groups, resharded once per target; "
+        "free nodes are those not tied to another layer's; variables = strategies over free "
+        "nodes with a choice). x per doubling = total s over the previous depth's.",
         "",
         common.markdown_table(headers, rows, ["r"] * (len(headers) - 1) + ["l"]),
         "",
         f"Targets: {TARGET_LAYERS} layers in <= {TARGET_SECONDS:g} s: {v['target_time']}; "
         f"growth per doubling <= 2 (x{LINEAR_SLACK} slack): {v['linear']}.",
     ]
+    if data.get("comparison"):
+        lines += ["", *render_comparison(data["comparison"])]
     if failures:
-        lines += ["", "Depths that failed:", "", *failures]
+        lines += ["", "Cases that failed:", "", *failures]
     if notes:
         lines += ["", "Notes:", "", *notes]
     return "\n".join(lines)
+
+
+def render_comparison(cases: list[dict[str, Any]]) -> list[str]:
+    """The comparison's overhead: compare=False and True side by side."""
+    ok = [c for c in cases if "error" not in c]
+    if len(ok) != 2:
+        return ["Comparison overhead: " + "; ".join(c.get("error", "") for c in cases)]
+    off, on = sorted(ok, key=lambda c: c["compare"])
+    headers = ["compare", "total s"] + [f"{name} s" for name, _ in PHASES] + [
+        "auto pred ms", "best hand-written pred ms"]
+    rows = []
+    for c in (off, on):
+        scored = {k: v["total_time"] for k, v in c["alternatives"].items() if isinstance(v, dict)}
+        best = min(scored.items(), key=lambda kv: kv[1]) if scored else None
+        rows.append([str(c["compare"]), _f(c["total_s"])]
+                    + [_f(c["timings"].get(key)) for _, key in PHASES]
+                    + [f"{c['prediction']['total_time'] * 1e3:.4f}",
+                       f"{best[1] * 1e3:.4f} ({best[0]})" if best else ""])
+    ratio = on["total_s"] / off["total_s"]
+    verdict = "PASS" if ratio <= COMPARE_TARGET else "FAIL"
+    w = on["config"]
+    return [
+        f"Comparison overhead: GPT of {w['num_layers']} layers, width {w['d_model']} "
+        f"({w['num_heads']} heads, d_ff {w['d_ff']}, vocab {w['vocab_size']}, seq "
+        f"{w['seq_len']}, batch {on['batch_size']}, {on['param_count']:,} parameters), AdamW, "
+        f"on `{on['mesh']}` (virtual 2x4 A100), planned with `compare=False` and then with "
+        "the default `compare=True` (each applicable hand-written plan scored on the "
+        "search's cost graph: baselines s), each in a fresh process of this run.",
+        "",
+        common.markdown_table(headers, rows, ["l"] + ["r"] * (len(headers) - 2) + ["l"]),
+        "",
+        f"Default over compare=False: {ratio:.2f}x; target <= {COMPARE_TARGET:g}x: {verdict}.",
+    ]
 
 
 def verdict(runs: list[dict[str, Any]]) -> dict[str, str]:
@@ -289,16 +278,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated depths (default 12,24,48,96)")
     parser.add_argument("--time-limit", type=float, default=None,
                         help="SearchOptions.time_limit (default: SearchOptions' own)")
+    parser.add_argument("--no-compare", action="store_true",
+                        help="skip the comparison-overhead case")
     parser.add_argument("--case-timeout", type=float, default=300.0,
-                        help="seconds per depth before it is recorded as timed out")
+                        help="seconds per case before it is recorded as timed out")
     common.add_output_arguments(parser, "search_time")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-compare", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-wide", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     if args.worker is not None:
-        return common.run_worker(lambda: run_depth(args.worker, args.time_limit),
-                                 {"layers": args.worker}, args.result)
+        return common.run_worker(
+            lambda: run_case(args.worker, args.time_limit, args.worker_compare, args.worker_wide),
+            {"layers": args.worker}, args.result)
 
     depths = sorted(int(x) for x in args.layers.split(",") if x.strip())
     import models
@@ -324,16 +318,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{layers:4d} layers: ERROR {r['error']} ({r['wall_s']:.0f} s)\n    "
                   + r["traceback"].replace("\n", "\n    "), flush=True)
             continue
-        s, st = r["split_s"], r["stats"]
-        print(f"{layers:4d} layers: total {r['total_s']:7.2f} s (trace {_f(s.get('trace'))}, "
-              f"graph {_f(s.get('graph_build'))}, setup {_f(s.get('problem_setup'))}, request "
-              f"{_f(s.get('request'))}, solve {_f(s.get('solve_call'))}, solver "
-              f"{_f(s.get('solver'))}) graph {st.get('graph_nodes')}/{st.get('graph_edges')} "
-              f"solver {st.get('solver_nodes')}/{st.get('solver_edges')} free "
-              f"{st.get('free_nodes')} vars {st.get('variables')} tied {st.get('tied')} "
-              f"status {st.get('status')}", flush=True)
-        for w in r["warnings"]:
-            print(f"      warning: {w}", flush=True)
+        t = r["timings"]
+        print(f"{layers:4d} layers: total {r['total_s']:7.2f} s ("
+              + ", ".join(f"{name} {_f(t.get(key))}" for name, key in PHASES if key in t)
+              + f") status {r['stats'].get('status')}", flush=True)
+    if not args.no_compare:
+        data["comparison"] = [run_subprocess(COMPARE_WIDTH["num_layers"], args, compare=c,
+                                             wide=True) for c in (False, True)]
+        for line in render_comparison(data["comparison"])[-1:]:
+            print(line, flush=True)
     growth(data["runs"])
     data["verdict"] = verdict(data["runs"])
     data["total_wall_s"] = time.perf_counter() - start

@@ -111,6 +111,18 @@ class ParallelStep:
         self._prepared: dict[Any, Executable] = {}
         self._last: Plan | None = None
 
+    @classmethod
+    def from_plan(cls, plan: Plan, donate: bool | None = None) -> "ParallelStep":
+        """A step that runs ``plan`` (e.g. one ``spmd.plan`` returned, or loaded and bound)
+        for arguments shaped like those it was planned for; other shapes are planned with
+        its method, as ``parallelize`` would."""
+        sig = plan.bound_signature()
+        step = cls(sig.step_fn, plan.mesh, plan.method, batch_argnums=tuple(sig.batch_argnums),
+                   donate=donate)
+        key = (sig.in_treedef, tuple((tuple(a.shape), str(a.dtype)) for a in sig.in_avals))
+        step._prepared[key] = prepare(plan, donate)
+        return step
+
     @property
     def plan(self) -> Plan:
         if self._last is None:
@@ -122,7 +134,7 @@ class ParallelStep:
         """The executable for these arguments, and their flat leaves (flattened once: the
         same leaves key the cache, as jax.jit's cache is keyed, and feed the call)."""
         leaves, treedef = flatten_step_args(args)
-        key = (treedef, tuple((jax.numpy.shape(x), str(jax.numpy.result_type(x)))
+        key = (treedef, tuple((tuple(jax.numpy.shape(x)), str(jax.numpy.result_type(x)))
                               for x in leaves))
         if key not in self._prepared:
             p = plan(self.step_fn, *args, mesh=self.mesh, method=self.method,

@@ -1,4 +1,4 @@
-"""`spmd run | plan | models | meshes | launch`: the command line.
+"""`spmd run | plan | compare | models | meshes | launch`: the command line.
 
 User errors (a bad mesh file, an unknown model, a dimension that cannot be split) print one
 message and exit with status 2, without a traceback.
@@ -15,12 +15,15 @@ from typing import List, Optional
 import typer
 
 from spmd.errors import SpmdError
+from spmd.options import SearchOptions
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="spmd: searched sharding plans for JAX/Flax training steps.")
 
 DEFAULT_MESH = "meshes/cpu-8.yaml"
 DEFAULT_MODEL = "gpt-tiny"
+#: the search's defaults, one place (``spmd.options``)
+DEFAULT_TIME_LIMIT = SearchOptions.time_limit
 
 
 def _fail(message: str) -> None:
@@ -51,7 +54,7 @@ def run(
     mesh: Path = typer.Option(Path(DEFAULT_MESH), help="mesh file (see `spmd meshes`)"),
     method: str = typer.Option("auto", help="auto (searched), or dp, zero, fsdp, tp, dp_tp, "
                                "fsdp_tp, ep"),
-    time_limit: float = typer.Option(20.0, help="seconds the sharding search may take"),
+    time_limit: float = typer.Option(DEFAULT_TIME_LIMIT, help="seconds the sharding search may take"),
     memory_budget: Optional[float] = typer.Option(None, help="bytes per device (auto)"),
     steps: int = typer.Option(20, min=1, help="training steps"),
     batch_size: Optional[int] = typer.Option(None, help="global batch size (model default)"),
@@ -122,7 +125,7 @@ def plan_cmd(
     mesh: Path = typer.Option(Path(DEFAULT_MESH), help="mesh file; planned as a virtual mesh"),
     method: str = typer.Option("auto", help="plan to show: auto or a hand-written one"),
     batch_size: Optional[int] = typer.Option(None, help="global batch size (model default)"),
-    time_limit: float = typer.Option(20.0, help="seconds the sharding search may take"),
+    time_limit: float = typer.Option(DEFAULT_TIME_LIMIT, help="seconds the sharding search may take"),
     memory_budget: Optional[float] = typer.Option(None, help="bytes per device (auto)"),
     save: Optional[Path] = typer.Option(None, help="save the plan as JSON"),
 ) -> None:
@@ -149,6 +152,41 @@ def plan_cmd(
     if save:
         plan.save(save)
         typer.echo(f"saved {save}")
+
+
+@app.command()
+def compare(
+    model: str = typer.Option(DEFAULT_MODEL, help="model name (see `spmd models`)"),
+    mesh: Path = typer.Option(Path(DEFAULT_MESH), help="mesh file; compiled on as many "
+                              "simulated CPU devices"),
+    batch_size: Optional[int] = typer.Option(None, help="global batch size (model default)"),
+    time_limit: float = typer.Option(DEFAULT_TIME_LIMIT, help="seconds the sharding search may take"),
+    output_json: Optional[Path] = typer.Option(None, help="write the comparison here"),
+) -> None:
+    """Auto beside every hand-written plan, each compiled: predicted and measured, judged."""
+    import spmd
+    from spmd.analysis import verify
+    from spmd.cluster.mesh import set_cpu_device_count
+
+    device_mesh = spmd.load_mesh(mesh, virtual=True)
+    set_cpu_device_count(device_mesh.size)  # compiled, not run: as many CPU devices
+    from flax import nnx
+
+    spec = _model(model)
+    size = batch_size or spec.default_batch_size
+
+    def create():
+        net = spec.create(0)
+        return net, spec.optimizer(net)
+
+    args = (*nnx.eval_shape(create), jax_abstract(spec.batch, size))
+    record = verify.compare(spec.train_step, *args, mesh=device_mesh,
+                            options=spmd.SearchOptions(time_limit=time_limit))
+    typer.echo(f"model {spec.name}: {spec.param_count():,} parameters, global batch {size}; "
+               f"{device_mesh.describe()}")
+    typer.echo(verify.describe(record))
+    if output_json is not None:
+        output_json.write_text(json.dumps(record, indent=1, default=str))
 
 
 def jax_abstract(make_batch, size: int):

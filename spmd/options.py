@@ -116,7 +116,7 @@ class SearchOptions:
     memory_budget: float | None = None
     time_limit: float = 20.0
     compare: bool = True
-    score_time_limit: float = 2.0
+    score_time_limit: float = 1.0
     rules: Mapping[str, tuple[str, ...]] | None = None
     cache: bool = True
     cache_dir: str | None = None

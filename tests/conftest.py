@@ -15,3 +15,25 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Plans searched in tests are cached per test session, never in the user's cache.
 os.environ["SPMD_CACHE_DIR"] = tempfile.mkdtemp(prefix="spmd-plans-")
+
+
+def traced_zoo_step(name: str, batch: int = 8, **config):
+    """A zoo model's train step traced from abstract arguments: (StepSignature, op graph)."""
+    import jax
+    from flax import nnx
+
+    import models
+    from spmd.trace.graph import build_graph
+    from spmd.trace.signature import StepSignature
+
+    spec = models.get(name)
+    if config:
+        spec = spec.with_config(**config)
+
+    def create():
+        net = spec.create(0)
+        return net, spec.optimizer(net)
+
+    model, opt = nnx.eval_shape(create)
+    sig = StepSignature(spec.train_step, (model, opt, jax.eval_shape(lambda: spec.batch(batch, 0))))
+    return sig, build_graph(sig.jaxpr)

@@ -51,10 +51,23 @@ def test_zero_plan_is_scored():
         return net, spec.optimizer(net)
 
     am, ao = nnx.eval_shape(create)
+    from spmd.manual import manual_specs
+
     sig = StepSignature(spec.train_step, (am, ao, spec.batch(spec.default_batch_size, 0)))
-    pred = score_manual(sig, spmd.load_mesh("meshes/cpu-8.yaml"), "zero",
-                        SearchOptions(time_limit=2.0)).prediction
-    assert pred.total_time > 0 and pred.collectives["all-gather"][0] > 0
+    mesh = spmd.load_mesh("meshes/cpu-8.yaml")
+    res = score_manual(sig, mesh, "zero", SearchOptions(time_limit=2.0))
+    specs = dict(zip((leaf.path for leaf in sig.leaves), manual_specs(sig.leaves, "zero", mesh)))
+    params = [leaf for leaf in sig.leaves if leaf.kind == "param"]
+    assert all(not any(specs[leaf.path]) for leaf in params)  # parameters replicated
+    # Each parameter whose Adam state is split is updated in pieces and gathered whole
+    # again: one all-gather of its bytes. Every gradient is all-reduced (XLA:CPU has no
+    # reduce-scatter), all of them combined into one with the loss.
+    split = [leaf for leaf in params if any(specs["optimizer/opt_state/0/mu/" + leaf.path.split("/", 1)[1]])]
+    assert split and res.prediction.collectives["all-gather"] == (
+        len(split), sum(leaf.nbytes for leaf in split))
+    assert res.prediction.collectives["all-reduce"] == (1, sum(l.nbytes for l in params) + 4)
+    for o, i in sig.output_aliases.items():  # each new state in its input's spec
+        assert res.output_specs[o] == res.input_specs[i]
 
 
 def _conv(x, w):  # (batch, H, W, C) x (kh, kw, C_in, C_out)

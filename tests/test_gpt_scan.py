@@ -43,7 +43,7 @@ def _scanned_copy(unrolled: nnx.Module, scan_spec: models.ModelSpec) -> nnx.Modu
 
 
 def _logical_names(model: nnx.Module) -> dict[tuple, tuple]:
-    """Path -> logical names, read as `spmd.signature` reads them."""
+    """Path -> logical names, read as `spmd.trace.signature` reads them."""
     flat = nnx.to_flat_state(nnx.get_partition_spec(nnx.state(model)))
     return {path: tuple(v.get_value()) for path, v in flat}
 

@@ -3,34 +3,22 @@ will ask for once per (layer range, submesh)."""
 
 import jax
 import pytest
-from flax import nnx
+from conftest import traced_zoo_step
 
-import models
 import spmd
 from spmd.analysis.report import analyze
 from spmd.options import SearchOptions
 from spmd.planner import step_inputs
 from spmd.runtime.compile import jit_region
 from spmd.search.regions import RegionCache, search_region
-from spmd.trace.graph import build_graph
 from spmd.trace.layers import forward_ops, layer_of
 from spmd.trace.regions import Region, layer_region
-from spmd.trace.signature import StepSignature
 
 
 @pytest.fixture(scope="module")
 def gpt4():
     """gpt-tiny with four blocks, its traced step and op graph."""
-    spec = models.get("gpt-tiny").with_config(num_layers=4)
-
-    def create():
-        net = spec.create(0)
-        return net, spec.optimizer(net)
-
-    model, opt = nnx.eval_shape(create)
-    batch = jax.eval_shape(lambda: spec.batch(8, 0))
-    sig = StepSignature(spec.train_step, (model, opt, batch))
-    return sig, build_graph(sig.jaxpr)
+    return traced_zoo_step("gpt-tiny", num_layers=4)
 
 
 def test_layers_cut_the_forward_between_blocks_and_cover_every_op(gpt4):
@@ -85,15 +73,7 @@ def test_a_layer_range_on_a_submesh_compiles_as_predicted_and_repeats_from_the_c
 
 
 def test_a_region_cannot_cut_a_scan():
-    spec = models.get("gpt-tiny").with_config(scan_layers=True)
-
-    def create():
-        net = spec.create(0)
-        return net, spec.optimizer(net)
-
-    model, opt = nnx.eval_shape(create)
-    sig = StepSignature(spec.train_step, (model, opt, jax.eval_shape(lambda: spec.batch(8, 0))))
-    graph = build_graph(sig.jaxpr)
+    _, graph = traced_zoo_step("gpt-tiny", scan_layers=True)
     scan = graph.scans[-1]
     with pytest.raises(spmd.PlanError, match="cannot cut a scan"):
         Region(graph, scan.nodes[:1])

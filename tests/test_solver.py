@@ -371,3 +371,63 @@ def test_a_charge_is_paid_once_however_many_strategies_incur_it():
     req.charges = [(1.0, [(0, 5)])]
     with pytest.raises(PlanError, match="charge 0 names strategy 5 of node 0"):
         validate(req)
+
+
+# -- fan-outs: a value resharded once per target ----------------------------------------------
+
+
+def _fanout_request():
+    """A producer (2 specs: target 0 free from spec 0, target 1 free from spec 1) read by
+    three consumers that each pick a target (strategy k wants target k). Resharding to a
+    target the producer does not hold costs 3.0, once, however many consumers want it;
+    consumers 1 and 2 prefer target 1 by 1.0 each, consumer 0 prefers target 0 by 2.5."""
+    req = request([[0.0, 0.0], [0.0, 2.5], [1.0, 0.0], [1.0, 0.0]])
+    req.fanouts = [(0, [[0.0, 3.0], [3.0, 0.0]], [(1, [0, 1]), (2, [0, 1]), (3, [0, 1])])]
+    return req
+
+
+def test_a_fanout_pays_each_distinct_target_once():
+    req = _fanout_request()
+    assert evaluate(req, [0, 0, 0, 0]) == pytest.approx(2.0)  # all at target 0: no reshard
+    assert evaluate(req, [0, 0, 1, 1]) == pytest.approx(3.0)  # target 1 once, for two
+    assert evaluate(req, [1, 0, 1, 1]) == pytest.approx(3.0)  # target 0 once, for one
+    assert evaluate(req, [1, 1, 1, 1]) == pytest.approx(2.5)
+    best, choice = brute_force(req)
+    res = solve(req, SolverOptions(gap=0.0))
+    assert res.objective == pytest.approx(best) and evaluate(req, res.choice) == pytest.approx(best)
+    assert res.bound <= best + 1e-12
+    back = SolverRequest.from_json(req.to_json())
+    assert back.fanouts == [(0, [[0.0, 3.0], [3.0, 0.0]], [(1, [0, 1]), (2, [0, 1]), (3, [0, 1])])]
+    assert evaluate(back, choice) == pytest.approx(best)
+
+
+def test_fanouts_fold_and_their_split_form_bounds_every_plan():
+    req = _fanout_request()
+    prob = reduce(req)
+    assert len(prob.fanouts) == 1  # three consumer groups: a true fan-out
+    lower, upper = prob.pairwise(split=True), prob.pairwise(split=False)
+    for choice in itertools.product(range(2), repeat=4):
+        exact = evaluate(req, choice)
+        assert lower.total(list(choice)) <= exact + 1e-12 <= upper.total(list(choice)) + 1e-12
+    # read by one other group only, it folds into an edge, exactly
+    one = request([[0.0, 0.0], [0.0, 1.0]])
+    one.fanouts = [(0, [[0.0, 3.0], [3.0, 0.0]], [(1, [0, 1]), (1, [1, 0])])]
+    folded = reduce(one)
+    assert not folded.fanouts and (0, 1) in folded.pairs
+    for choice in itertools.product(range(2), repeat=2):
+        assert folded.total(list(choice)) == pytest.approx(evaluate(one, choice))
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda r: r.fanouts.append((9, [[0.0]], [(1, [0])])), "fan-out 1: producer 9"),
+    (lambda r: r.fanouts.append((0, [[0.0]], [(1, [0, 0])])), "one row per strategy"),
+    (lambda r: r.fanouts.append((0, [[0.0], [-1.0]], [(1, [0, 0])])), "finite and non-negative"),
+    (lambda r: r.fanouts.append((0, [[0.0], [0.0]], [(1, [0])])), "one target per strategy"),
+    (lambda r: r.fanouts.append((0, [[0.0], [0.0]], [(1, [0, 4])])), "outside the 1 columns"),
+])
+def test_validate_names_a_bad_fanout(mutate, match):
+    req = _fanout_request()
+    validate(req)
+    mutate(req)
+    with pytest.raises(PlanError, match=match):
+        validate(req)

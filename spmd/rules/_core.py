@@ -61,7 +61,7 @@ class UnsupportedPattern(Exception):
 class RuleContext:
     """What rules need to know about the mesh, plus per-shape caches.
 
-    Accepts a :class:`spmd.mesh.DeviceMesh` or a plain ``{axis: size}`` mapping (mesh order;
+    Accepts a :class:`spmd.cluster.mesh.DeviceMesh` or a plain ``{axis: size}`` mapping (mesh order;
     it becomes a virtual CPU mesh). ``partitioner`` defaults to ``Partitioner(mesh)``.
 
     >>> ctx = RuleContext({"data": 2, "model": 4, "pipe": 1})

@@ -1,4 +1,4 @@
-"""Sharding rules of a scan's boundary: the pseudo-ops ``spmd.graph`` puts where a value
+"""Sharding rules of a scan's boundary: the pseudo-ops ``spmd.trace.graph`` puts where a value
 enters or leaves a loop body planned once for all iterations.
 
 ``scan_carry`` / ``scan_carry_out`` pass the loop-carried value through unchanged (any spec,

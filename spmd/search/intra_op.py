@@ -95,23 +95,22 @@ class IntraOp:
       required: specs every candidate list of that shape keeps (e.g. the pins of every plan
         to be scored); the inputs' own pins are added.
       share_layers: tie repeated layers (``spmd.search.costgraph``).
-      timings: where the phases' seconds are recorded (``cost_graph``, ``request``,
-        ``solve``, ``predict``).
+
+    Each answer's ``stats["phases"]`` holds the seconds its request, solve and prediction
+    took.
     """
 
     def __init__(self, graph: Graph, inputs: Sequence[InputInfo], mesh: DeviceMesh, *,
                  output_aliases: Mapping[int, int] = {},
                  required: Iterable[tuple[tuple[int, ...], Spec]] = (),
-                 share_layers: bool = True, timings: Stopwatch | None = None):
+                 share_layers: bool = True):
         self.graph, self.inputs, self.mesh = graph, list(inputs), mesh
-        self.timings = timings if timings is not None else Stopwatch()
         shapes: dict[tuple[int, ...], list[Spec]] = collections.defaultdict(list)
         for shape, spec in list(required) + [(i.shape, i.pinned) for i in inputs]:
             if spec is not None and any(spec):
                 shapes[tuple(shape)].append(tuple(tuple(a) for a in spec))
-        with self.timings.phase("cost_graph"):
-            self.cost_graph = CostGraph(graph, self.inputs, mesh, output_aliases=output_aliases,
-                                        required=shapes, share_layers=share_layers)
+        self.cost_graph = CostGraph(graph, self.inputs, mesh, output_aliases=output_aliases,
+                                    required=shapes, share_layers=share_layers)
         self.encoder = Encoder(self.cost_graph)
 
     # -- entry points --------------------------------------------------------------------
@@ -147,16 +146,18 @@ class IntraOp:
     # -- solving and reading the answer --------------------------------------------------
     def _solve(self, enc: Encoding, budget: float | None, time_limit: float,
                options: SolverOptions, warm: list[int] | None, start: float) -> AutoResult:
-        with self.timings.phase("request"):
+        watch = Stopwatch()
+        with watch.phase("request"):
             req = enc.request(budget, time_limit)
             req.warm_start = warm
-        with self.timings.phase("solve"):
+        with watch.phase("solve"):
             res = solve(req, options)
-        with self.timings.phase("predict"):
+        with watch.phase("predict"):
             node_choice = enc.node_choice(res.choice)
             pred = predict(enc, node_choice)
             result = _result(enc, node_choice, pred, res)
         result.stats.update(_stats(enc, req, res, time.perf_counter() - start))
+        result.stats["phases"] = watch.as_dict()
         return result
 
 

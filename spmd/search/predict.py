@@ -86,12 +86,14 @@ def predict(enc: Encoding, node_choice: Sequence[int]) -> Prediction:
     compute = comm = tie_break = 0.0
     counts = {k: [0, 0.0] for k in COLLECTIVE_KINDS}
     combined: set = set()  # (kind, axes) groups XLA merged into one collective
-    chosen: dict[tuple[int, int], bool] = {}
+    picked: set[tuple[int, int]] = set()  # (root, root strategy) chosen: charges paid
+    strategy = []  # the strategy of every node under the plan
     for n in graph.nodes:
         r = node_choice[n.id]
         j = int(enc.fmap[n.id][r])
         s = enc.strats[n.id][j]
-        chosen[(cg.root[n.id], r)] = True
+        strategy.append(s)
+        picked.add((cg.root[n.id], r))
         if n.kind != "op":
             tie_break += float(cg.tie_break(n.id, s.out_specs)[0])
             continue
@@ -107,13 +109,13 @@ def predict(enc: Encoding, node_choice: Sequence[int]) -> Prediction:
                 combined.add(key)
                 row[0] += 1
             row[1] += c.bytes * n.repeat
-    comm += sum(lat for lat, members in cg.charges if any(m in chosen for m in members))
+    comm += sum(lat for lat, members in cg.charges if any(m in picked for m in members))
     # Reshards: once per (value, target spec, loop level), as XLA reshards a value.
     for v, reads in cg.reads.items():
-        src = enc.out_spec(v, node_choice[v.node])
+        src = strategy[v.node].out_specs[v.index]
         paid = set()
         for read in reads:
-            dst = enc.strategy_of(read.node, node_choice[read.node]).in_specs[read.operand]
+            dst = strategy[read.node].in_specs[read.operand]
             if dst == src or (dst, read.repeat) in paid:
                 continue
             paid.add((dst, read.repeat))
@@ -124,7 +126,7 @@ def predict(enc: Encoding, node_choice: Sequence[int]) -> Prediction:
                 row[0] += read.repeat
                 row[1] += c.bytes * read.repeat
     live = cg.liveness
-    nbytes = np.array([float(cg.bytes_row(v, (enc.out_spec(v, node_choice[v.node]),))[0])
+    nbytes = np.array([float(cg.bytes_row(v, (strategy[v.node].out_specs[v.index],))[0])
                        for v, _, _ in live.intervals])
     return Prediction(compute, comm, live.peak(nbytes),
                       {k: (c, b) for k, (c, b) in counts.items()},

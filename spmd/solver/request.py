@@ -108,7 +108,7 @@ class SolverResult:
     #: CP-SAT stopped early, no better plan having come for a while
     #: (see ``SolverOptions.stall_seconds``)
     stalled: bool = False
-    #: what proved ``bound``: "cp-sat", or "diffusion" (``spmd.min_sum``), whose bound
+    #: what proved ``bound``: "cp-sat", or "diffusion" (``spmd.solver.min_sum``), whose bound
     #: within ``SolverOptions.gap`` of a seed skips CP-SAT
     bound_from: str = "cp-sat"
 
@@ -151,18 +151,26 @@ def validate(request: SolverRequest) -> None:
         if len(getattr(r, field)) != n:
             raise PlanError(f"solver request: {field} has {len(getattr(r, field))} entries "
                             f"for {n} nodes")
-    for v in range(n):
-        k = len(r.strategy_names[v])
-        if k == 0:
-            raise PlanError(f"solver request: {name(v)} has no strategies")
-        for field in ("node_costs", "node_memory"):
-            if len(getattr(r, field)[v]) != k:
+    sizes = [len(s) for s in r.strategy_names]
+    if 0 in sizes:
+        raise PlanError(f"solver request: {name(sizes.index(0))} has no strategies")
+    for field in ("node_costs", "node_memory"):
+        for v, (row, k) in enumerate(zip(getattr(r, field), sizes)):
+            if len(row) != k:
                 raise PlanError(f"solver request: {name(v)} has {k} strategies but "
-                                f"{len(getattr(r, field)[v])} {field}")
-        if any(math.isnan(c) for c in r.node_costs[v]):
-            raise PlanError(f"solver request: {name(v)} has a NaN cost")
-        if any(not math.isfinite(m) or m < 0 for m in r.node_memory[v]):
-            raise PlanError(f"solver request: {name(v)} has a negative or non-finite memory")
+                                f"{len(row)} {field}")
+    # One pass over every node's numbers; the node at fault is looked for only on a fault.
+    costs = np.concatenate([np.asarray(c, dtype=float) for c in r.node_costs]) if n else np.zeros(0)
+    memory = np.concatenate([np.asarray(m, dtype=float) for m in r.node_memory]) if n else np.zeros(0)
+    owner = np.repeat(np.arange(n), sizes)
+    if np.isnan(costs).any():
+        raise PlanError(f"solver request: {name(int(owner[np.isnan(costs)][0]))} has a NaN cost")
+    bad = ~np.isfinite(memory) | (memory < 0)
+    if bad.any():
+        raise PlanError(f"solver request: {name(int(owner[bad][0]))} has a negative or "
+                        f"non-finite memory")
+    for v in range(n):
+        k = sizes[v]
         rep = r.same_as[v]
         if rep != -1:
             if not 0 <= rep < n or rep == v:

@@ -29,7 +29,7 @@ def eval_jaxpr_with(jaxpr, consts: Sequence[Any], args: Sequence[Any],
     """Evaluate a jaxpr, inlining what ``build_graph`` inlines.
 
     ``operand_hook(path, args)`` may replace an equation's operands before it runs and
-    ``hook(path, eqn, outs)`` its outputs after (the interpreter of ``spmd.apply``). A scan
+    ``hook(path, eqn, outs)`` its outputs after (the constraint interpreter of ``spmd.runtime.constrain``). A scan
     runs as ``lax.scan`` over its body, evaluated the same way; its boundary pseudo-ops
     (module docstring) get both hooks too, with ``eqn=None``.
     """

@@ -232,7 +232,7 @@ class StepSignature:
             for i in range(self.num_state_leaves):
                 aliases[i] = i
             return aliases
-        out = jax.tree.unflatten(self._out_treedef, self.out_avals)
+        _, out = jax.tree.unflatten(self._out_treedef, self.out_avals)  # (new NNX state, out)
         outs = out if isinstance(out, tuple) else (out,)
         offsets, start = [], 0
         for item in outs:

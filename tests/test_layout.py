@@ -1,0 +1,83 @@
+"""The package's shape: data flows one way through its layers, no module reaches into
+another's private names, and modules stay small."""
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / "spmd"
+
+#: each module may import only from its own layer or those before it
+LAYERS = [
+    {"spmd.errors", "spmd.sharding", "spmd.options", "spmd.timing"},
+    {"spmd.cluster.hardware", "spmd.cluster.mesh", "spmd.cluster.distributed"},
+    {"spmd.trace.graph", "spmd.trace.interpret", "spmd.trace.signature", "spmd.trace.layers",
+     "spmd.trace.regions"},
+    {"spmd.cost.partitioner"},  # what XLA emits: the rules ask it which collective
+    {"spmd.rules"},
+    {"spmd.cost.time"},
+    {"spmd.solver"},  # self-contained: errors and options only
+    {"spmd.memory.liveness"},
+    {"spmd.search.costgraph", "spmd.search.encode", "spmd.search.predict",
+     "spmd.search.intra_op", "spmd.search.regions"},
+    {"spmd.plan", "spmd.explain", "spmd.manual"},
+    {"spmd.planner", "spmd.cache"},
+    {"spmd.runtime.constrain", "spmd.runtime.compile"},
+    {"spmd.analysis.hlo", "spmd.analysis.report", "spmd.data"},
+    {"spmd.api"},
+    {"spmd.analysis.verify"},
+    {"spmd.cli", "spmd"},
+]
+
+
+def _module(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _layer(module: str) -> int:
+    for i, layer in enumerate(LAYERS):
+        if any(module == m or module.startswith(m + ".") for m in layer):
+            return i
+    raise AssertionError(f"{module} is in no layer of tests/test_layout.py")
+
+
+def _imports(path: pathlib.Path):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("spmd"):
+            yield node.module, [a.name for a in node.names], node.lineno
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("spmd"):
+                    yield a.name, [], node.lineno
+
+
+MODULES = sorted(ROOT.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: _module(p))
+def test_imports_point_one_way(path):
+    here = _module(path)
+    if here in {"spmd", "spmd.rules"} or here.startswith("spmd.rules."):
+        return  # the public API re-exports; the rules' package imports its own families
+    for module, names, line in _imports(path):
+        target = f"spmd.{names[0]}" if module == "spmd" and names else module
+        assert _layer(target) <= _layer(here), (
+            f"{here} (layer {_layer(here)}) imports {target} (layer {_layer(target)}) at line "
+            f"{line}: data flows cluster -> trace -> rules -> cost -> search -> plan -> "
+            f"runtime -> analysis")
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: _module(p))
+def test_no_private_names_cross_modules(path):
+    for module, names, line in _imports(path):
+        private = [n for n in names if n.startswith("_")]
+        assert not private, f"{_module(path)} imports {private} from {module} at line {line}"
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: _module(p))
+def test_modules_stay_small(path):
+    lines = len(path.read_text().splitlines())
+    assert lines <= 600, f"{_module(path)} has {lines} lines; split it by concern"

@@ -1,0 +1,51 @@
+"""Which values are alive together: live ranges, donation, peaks per owner."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spmd.memory.liveness import Liveness
+from spmd.trace.graph import build_graph
+
+
+def _graph():
+    # w (4x4), x (8x4) -> y = x @ w (8x4) -> t = tanh(y) -> s = sum(t); w - s (update)
+    return build_graph(jax.make_jaxpr(
+        lambda w, x: w - jnp.tanh(x @ w).sum())(jnp.ones((4, 4)), jnp.ones((8, 4))))
+
+
+def test_intervals_follow_producers_and_last_uses():
+    g = _graph()
+    live = Liveness(g, donated=set())
+    spans = {(v.node, v.index): (a, b) for v, a, b in live.intervals}
+    end = len(g.nodes)
+    assert spans[(0, 0)] == (0, end) and spans[(1, 0)] == (0, end)  # inputs: throughout
+    dot = next(n.id for n in g.nodes if n.kind == "op" and n.op.primitive == "dot_general")
+    assert spans[(dot, 0)] == (dot, dot + 1)  # read by tanh only
+    assert spans[(end - 1, 0)] == (end - 1, end)  # the step's output lives to the end
+
+
+def test_a_donated_input_dies_at_its_last_use():
+    g = _graph()
+    kept = {(v.node, v.index): (a, b) for v, a, b in Liveness(g, donated=set()).intervals}
+    donated = {(v.node, v.index): (a, b) for v, a, b in Liveness(g, donated={0}).intervals}
+    last = max(c for c in g.nodes[0].consumers)
+    assert donated[(0, 0)] == (0, last) and kept[(0, 0)][1] == len(g.nodes)
+    assert donated[(1, 0)] == kept[(1, 0)]
+
+
+def test_peak_and_busiest_points_and_own_peaks():
+    g = _graph()
+    live = Liveness(g, donated=set())
+    totals = live.totals(live.full_bytes)
+    assert live.peak(live.full_bytes) == totals.max()
+    points = live.busiest_points(2)
+    assert points == sorted(points) and totals[points].min() >= np.sort(totals)[-2]
+    halved = live.peak(live.full_bytes / 2)
+    assert halved == live.peak(live.full_bytes) / 2
+    owner = list(range(len(live.intervals)))
+    peaks = live.own_peaks(owner)
+    assert all(len(v) == 1 for v in peaks.values())  # a single value peaks alone
+    together = live.own_peaks([0] * len(live.intervals))
+    t = totals.argmax()
+    assert set(together[0].tolist()) == set(live.live_at(int(t)).tolist())
