@@ -75,14 +75,17 @@ def _baselines(sig: StepSignature, mesh: DeviceMesh,
 
 def score_manual(sig: StepSignature, mesh: DeviceMesh, method: str, options: SearchOptions,
                  graph: Graph | None = None) -> AutoResult:
-    """The cost model's view of one hand-written plan (intermediates chosen by the ILP)."""
+    """The cost model's view of one hand-written plan (intermediates chosen by the ILP), with
+    the sharding constraints that compile it as scored."""
     specs = manual_specs(sig.leaves, method, mesh)
     inputs = step_inputs(sig, mesh, options)
     job = IntraOp(graph if graph is not None else build_graph(sig.jaxpr), inputs, mesh,
                   output_aliases=sig.output_aliases,
                   required=[(i.shape, s) for i, s in zip(inputs, specs)])
     limit, solver = options.scoring()
-    return job.score(specs, time_limit=limit, solver=solver)
+    result = job.score(specs, time_limit=limit, solver=solver)
+    result.constraints = job.constraints(result)
+    return result
 
 
 def plan_auto(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions,
@@ -126,7 +129,8 @@ def plan_auto(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions,
     if kept_manual:
         # The search keeps small inputs replicated, so it can miss a hand-written plan
         # that splits them by a hair; never return a slower plan.
-        result = dataclasses.replace(best[1], solver=result.solver, stats=result.stats)
+        result = dataclasses.replace(best[1], solver=result.solver, stats=result.stats,
+                                     constraints=job.constraints(best[1]))
     solver = result.solver
     if solver is not None and solver.timed_out:
         warn(f"the sharding search reached its time limit ({options.time_limit:g} s); using "

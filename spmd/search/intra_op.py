@@ -49,7 +49,8 @@ def _spec_load(raw) -> Spec:
 
 @dataclasses.dataclass
 class AutoResult:
-    """What a search (or a scoring) found: specs, the prediction, the solver's report."""
+    """What a search (or a scoring) found: specs, the prediction, the solver's report, and
+    the sharding constraints that apply it (empty for a scoring: ``IntraOp.constraints``)."""
 
     input_specs: list[Spec]
     output_specs: list[Spec]
@@ -141,11 +142,17 @@ class IntraOp:
         space, repeated layers alike."""
         start = time.perf_counter()
         enc = self.encoder.encode([tuple(tuple(a) for a in s) for s in pins])
-        return self._solve(enc, None, time_limit, solver, None, start)
+        return self._solve(enc, None, time_limit, solver, None, start, constrain=False)
+
+    def constraints(self, result: AutoResult) -> dict[str, Spec]:
+        """The sharding constraints of a result on this graph (a scoring leaves them out:
+        only a kept hand-written plan needs them)."""
+        return _constraints(self.graph, result.node_strategies)
 
     # -- solving and reading the answer --------------------------------------------------
     def _solve(self, enc: Encoding, budget: float | None, time_limit: float,
-               options: SolverOptions, warm: list[int] | None, start: float) -> AutoResult:
+               options: SolverOptions, warm: list[int] | None, start: float,
+               constrain: bool = True) -> AutoResult:
         watch = Stopwatch()
         with watch.phase("request"):
             req = enc.request(budget, time_limit)
@@ -155,14 +162,14 @@ class IntraOp:
         with watch.phase("predict"):
             node_choice = enc.node_choice(res.choice)
             pred = predict(enc, node_choice)
-            result = _result(enc, node_choice, pred, res)
+            result = _result(enc, node_choice, pred, res, constrain)
         result.stats.update(_stats(enc, req, res, time.perf_counter() - start))
         result.stats["phases"] = watch.as_dict()
         return result
 
 
 def _result(enc: Encoding, node_choice: list[int], pred: Prediction,
-            res: SolverResult) -> AutoResult:
+            res: SolverResult, constrain: bool) -> AutoResult:
     g = enc.cg.graph
     chosen = [enc.strategy_of(n.id, node_choice[n.id]) for n in g.nodes]
     ins = [chosen[i].out_specs[0] for i in g.inputs]
@@ -171,7 +178,7 @@ def _result(enc: Encoding, node_choice: list[int], pred: Prediction,
     fallbacks = collections.Counter(n.op.primitive for n in g.nodes
                                     if n.kind == "op" and chosen[n.id].fallback)
     return AutoResult(ins, outs, pred, res, {}, [f"{k} x{c}" for k, c in sorted(fallbacks.items())],
-                      _constraints(g, chosen), chosen)
+                      _constraints(g, chosen) if constrain else {}, chosen)
 
 
 def _constraints(g: Graph, chosen: Sequence[_rules.Strategy]) -> dict[str, Spec]:
@@ -289,11 +296,14 @@ def score_result(closed_jaxpr, inputs: Sequence[InputInfo], mesh: DeviceMesh,
                  input_specs: Sequence[Spec], *, output_aliases: Mapping[int, int] = {},
                  time_limit: float = SearchOptions.score_time_limit, graph: Graph | None = None,
                  solver: SolverOptions = SolverOptions()) -> AutoResult:
-    """Score a hand-written plan with the search's own model (``IntraOp.score``)."""
+    """Score a hand-written plan with the search's own model (``IntraOp.score``), with the
+    sharding constraints that compile it as scored."""
     graph = graph if graph is not None else build_graph(closed_jaxpr)
     job = IntraOp(graph, inputs, mesh, output_aliases=output_aliases,
                   required=[(i.shape, s) for i, s in zip(inputs, input_specs)])
-    return job.score(input_specs, time_limit=time_limit, solver=solver)
+    result = job.score(input_specs, time_limit=time_limit, solver=solver)
+    result.constraints = job.constraints(result)
+    return result
 
 
 def score(closed_jaxpr, inputs: Sequence[InputInfo], mesh: DeviceMesh,

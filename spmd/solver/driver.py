@@ -79,8 +79,6 @@ def solve(request: SolverRequest, options: SolverOptions = SolverOptions()) -> S
     start = time.perf_counter()
     validate(request)
     prob = reduce(request)
-    scaled = rescale(prob.unary, prob.pairs, [cost for cost, _ in prob.charges],
-                     fanouts=[costs for _, costs, _ in prob.fanouts])
     gap = options.gap
     seeding = prob.pairwise(split=False)  # the seeds' moves see pairwise costs only
 
@@ -160,6 +158,8 @@ def solve(request: SolverRequest, options: SolverOptions = SolverOptions()) -> S
     # 0.0635 ms; from its own seed it proved 0.0499 optimal).
     mine = [s for s in scored if s[1] < own]
     hint = (mine or scored)[0][2] if scored else dual.choice
+    scaled = rescale(prob.unary, prob.pairs, [cost for cost, _ in prob.charges],
+                     fanouts=[costs for _, costs, _ in prob.fanouts])
     try:
         # Writing the model counts against the limit (a large one outlasted it), unless no
         # seed fits: then only CP-SAT can find a plan, or explain why there is none.

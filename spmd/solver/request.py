@@ -191,8 +191,12 @@ def validate(request: SolverRequest) -> None:
                 else len(mat) != ku or any(len(row) != kv for row in mat)):
             raise PlanError(f"solver request: edge {e} {name(u)} -> {name(v)} needs a "
                             f"{ku} x {kv} cost matrix")
-        if np.isnan(np.asarray(mat, dtype=float)).any():
-            raise PlanError(f"solver request: edge {e} {name(u)} -> {name(v)} has a NaN cost")
+    # NaNs: one pass over every edge's entries; the edge at fault only looked for on one.
+    flat = [np.asarray(m, dtype=float).ravel() for m in r.edge_costs]
+    if flat and np.isnan(np.concatenate(flat)).any():
+        e = next(e for e, m in enumerate(flat) if np.isnan(m).any())
+        u, v = r.edges[e]
+        raise PlanError(f"solver request: edge {e} {name(u)} -> {name(v)} has a NaN cost")
     for i, live in enumerate(r.liveness):
         bad = [v for v in live if not 0 <= v < n]
         if bad:
