@@ -294,8 +294,9 @@ def render(data: dict[str, Any]) -> str:
         "as XLA runs them, on the predictions' scale; an upper bound where XLA combines "
         "collectives), the hand-written plan with the least in brackets; search s is the "
         "search alone "
-        "(`plan.search['search_seconds']`), plan s the whole `spmd.plan` call (tracing and "
-        "scoring every hand-written plan included).",
+        "(`plan.search['search_seconds']`), plan s the planning phases the plan records "
+        "(`plan.search['timings']`: tracing, the op graph, the cost graph, scoring every "
+        "hand-written plan, the search).",
         "",
         "Criteria: A pred = auto predicted time <= best hand-written predicted time; B bytes = "
         "auto HLO bytes <= 1.05 x those of the best hand-written plan at no more memory per "

@@ -87,7 +87,9 @@ def run_case(layers: int, time_limit: float | None, compare: bool, wide: bool) -
         "batch_size": batch_size, "compare": compare, "wide": wide,
         "config": {k: getattr(spec.config, k) for k in spec.config.__dataclass_fields__},
         "mesh": COMPARE_MESH if wide else MESH, "time_limit": options.time_limit,
-        "total_s": total_s, "timings": stats.get("timings", {}), "stats": stats,
+        "total_s": total_s, "stats": stats,
+        # the planning phases, and the search's own split of its request, solve and predict
+        "timings": {**stats.get("timings", {}), **stats.get("phases", {})},
         "warnings": sorted({str(w.message) for w in caught}),
         "prediction": plan.prediction.to_dict(),
         "alternatives": {k: v if isinstance(v, str) else v.to_dict()
@@ -148,8 +150,8 @@ def growth(runs: list[dict[str, Any]]) -> None:
 
 #: the phases ``Plan.search["timings"]`` records, in the order they run
 PHASES = [("trace", "trace"), ("graph", "graph"), ("cost graph", "cost_graph"),
-          ("baselines", "baselines"), ("request", "search_request"),
-          ("solve", "search_solve"), ("predict", "search_predict")]
+          ("baselines", "baselines"), ("request", "request"), ("solve", "solve"),
+          ("predict", "predict")]
 
 
 def _other(r: dict[str, Any]) -> float:

@@ -45,10 +45,11 @@ def describe(plan: "Plan", max_rows: int | None = 60) -> str:
             console.print(summary)
         console.print("search: " + ", ".join(f"{k}={v}" for k, v in plan.search.items()
                                               if not isinstance(v, (dict, list))))
-        timings = plan.search.get("timings")
+        timings, phases = plan.search.get("timings"), plan.search.get("phases")
         if timings:
-            console.print("planning seconds: " + ", ".join(f"{k} {v:.2f}"
-                                                          for k, v in timings.items()))
+            console.print("planning seconds: " + ", ".join(f"{k} {v:.2f}" for k, v in timings.items())
+                          + (" (search: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items())
+                             + ")" if phases else ""))
         if plan.search.get("fallbacks"):
             console.print(f"replicated (no sharding rule): {plan.search['fallbacks']}")
     if plan.prediction or plan.alternatives:

@@ -145,8 +145,7 @@ def plan_auto(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions,
     stats["fallbacks"] = result.fallbacks
     stats["warm_start_from"] = best[0] if best else None
     stats["kept_hand_written"] = best[0] if kept_manual else None
-    stats["timings"] = {**timings.as_dict(),
-                        **{f"search_{k}": v for k, v in result.stats.get("phases", {}).items()}}
+    stats["timings"] = timings.as_dict()  # the planning phases; "phases": the search's own
     planned = Plan(method="auto", mesh=mesh, leaves=sig.leaves, input_specs=result.input_specs,
                    output_specs=list(result.output_specs), prediction=result.prediction,
                    search=stats, constraints=dict(result.constraints), alternatives=scores,

@@ -1,3 +1,5 @@
-"""Running a plan: the step jitted under its shardings and compiled with per-compile XLA
-options (``compile``), with sharding constraints inside the step (``constrain``). A pipeline
-runtime belongs here too."""
+"""Running a plan: the step jitted under its shardings, donated, compiled with per-compile XLA
+options and kept (``compile``: ``prepare`` for a step, ``jit_region`` for a region on its
+submesh, what a pipeline stage runs), with sharding constraints inside the step
+(``constrain``). A plan itself is data (``spmd.plan``); everything that runs it lives here.
+"""
