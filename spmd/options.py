@@ -102,10 +102,14 @@ class SearchOptions:
         (shown by ``Plan.describe``; the best one also warm-starts the solver and is kept
         if the search ends slower).
       score_time_limit: solver seconds for scoring one hand-written plan (its inputs are
-        fixed; at most ``time_limit``). A score is the solver's best seed (diffusion and
-        local moves, ``SolverOptions.refine`` off): it ranks the plans and seeds the search,
-        which does run CP-SAT; CP-SAT confirming each seed took ~3 s per plan on a 24-layer
-        GPT, most of the comparison's time.
+        fixed; at most ``time_limit``).
+      score_refine: refine each hand-written plan's score with CP-SAT, as the search does.
+        Off, a score is the solver's best seed (diffusion and local moves): it ranks the
+        plans and seeds the search (which does run CP-SAT), at most a few percent above the
+        refined score for most plans but up to 1.5x for some (bench/RESULTS.md), in a
+        fraction of the time (CP-SAT took ~3 s per plan on a 24-layer GPT, most of the
+        comparison). On, with a ``score_time_limit`` of seconds, the comparison is
+        accurate and slow; ``bench/auto_vs_manual.py`` judges auto that way.
       rules: logical axis name -> mesh axes the user fixes (Flax-style logical rules);
         parameters with a named dimension covered here are pinned, the rest is searched.
       cache: reuse a saved plan for the same jaxpr, mesh and options.
@@ -116,7 +120,8 @@ class SearchOptions:
     memory_budget: float | None = None
     time_limit: float = 20.0
     compare: bool = True
-    score_time_limit: float = 1.0
+    score_time_limit: float = 0.75
+    score_refine: bool = False
     rules: Mapping[str, tuple[str, ...]] | None = None
     cache: bool = True
     cache_dir: str | None = None
@@ -131,7 +136,7 @@ class SearchOptions:
         for name in ("time_limit", "score_time_limit"):
             value = getattr(self, name)
             _check(own, name, value, _number(value) and value > 0, "> 0 (seconds)")
-        for name in ("compare", "cache"):
+        for name in ("compare", "cache", "score_refine"):
             _check(own, name, getattr(self, name), isinstance(getattr(self, name), bool),
                    "True or False")
         _check(own, "rules", self.rules, self.rules is None or isinstance(self.rules, Mapping),
@@ -147,4 +152,4 @@ class SearchOptions:
     def scoring(self) -> tuple[float, SolverOptions]:
         """The time limit and solver options for scoring one hand-written plan."""
         return (min(self.time_limit, self.score_time_limit),
-                dataclasses.replace(self.solver, refine=False))
+                dataclasses.replace(self.solver, refine=self.score_refine))

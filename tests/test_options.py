@@ -41,6 +41,8 @@ def test_options_are_frozen_with_one_default_each():
     with pytest.raises(dataclasses.FrozenInstanceError):
         options.time_limit = 3.0  # type: ignore[misc]
     assert SearchOptions.time_limit == options.time_limit == 20.0
-    limit, scoring = SearchOptions(time_limit=1.0).scoring()
-    assert limit == 1.0 and scoring.refine is False and options.solver.refine is True
+    limit, scoring = SearchOptions(time_limit=0.5).scoring()
+    assert limit == 0.5 and scoring.refine is False and options.solver.refine is True
+    limit, scoring = SearchOptions(score_refine=True, score_time_limit=5.0).scoring()
+    assert limit == 5.0 and scoring.refine is True
     assert SolverOptions().stall_window(100.0) == 5.0 and SolverOptions().stall_window(1.0) == 1.0
