@@ -376,6 +376,26 @@ def test_a_charge_is_paid_once_however_many_strategies_incur_it():
 # -- fan-outs: a value resharded once per target ----------------------------------------------
 
 
+def test_diffusion_warm_started_from_another_problems_messages_still_bounds_every_plan():
+    """Messages of one problem moved onto another of the same graph (other costs) keep every
+    plan's total there: the bound stays below its optimum, and a converged start is kept."""
+    rng = np.random.default_rng(5)
+    edges = [(i, i + 1) for i in range(5)] + [(0, 3), (2, 5)]
+
+    def random_req():
+        return request([rng.uniform(0, 1, 3).tolist() for _ in range(6)], edges,
+                       [rng.uniform(0, 2, (3, 3)).tolist() for _ in edges])
+
+    for _ in range(4):
+        first, second = random_req(), random_req()
+        dual = min_sum_seed(reduce(first), time.perf_counter() + 5.0)
+        warm = min_sum_seed(reduce(second), time.perf_counter() + 5.0, messages=dual.messages)
+        best, _ = brute_force(second)
+        assert warm.bound <= best + 1e-12
+        again = min_sum_seed(reduce(first), time.perf_counter() + 5.0, messages=dual.messages)
+        assert again.bound >= dual.bound - 1e-12  # it starts where the first one ended
+
+
 def _fanout_request():
     """A producer (2 specs: target 0 free from spec 0, target 1 free from spec 1) read by
     three consumers that each pick a target (strategy k wants target k). Resharding to a

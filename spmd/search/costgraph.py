@@ -190,6 +190,7 @@ class CostGraph:
         self._reshards: dict[tuple, tuple[float, tuple]] = {}
         self._matrices: dict[tuple, tuple[np.ndarray, tuple, tuple]] = {}
         self._fanouts: dict[tuple, tuple] = {}
+        self._own_rows: dict[tuple, tuple] = {}
         self._bytes_rows: dict[tuple, np.ndarray] = {}
 
     # -- strategies and their seconds ----------------------------------------------------
@@ -289,6 +290,21 @@ class CostGraph:
                               for a in src])
             hit = self._fanouts[key] = (table, per_read, src, reads)  # holding the lists
         return hit[0], hit[1]                                         # keeps their ids unique
+
+    def own_group_reshards(self, v: Value, src: tuple[Spec, ...],
+                           reads: Sequence[tuple[tuple[Spec, ...], int]]) -> np.ndarray:
+        """For a value read only inside its producer's group: per strategy of the group, each
+        distinct target (spec, loop level) its reads want priced once. Memoized on the lists."""
+        shape, dtype = self.graph.value_shape(v), self.graph.value_dtype(v)
+        key = (shape, dtype, id(src), tuple((id(dst), rep) for dst, rep in reads))
+        hit = self._own_rows.get(key)
+        if hit is None:
+            row = np.zeros(len(src))
+            for k, a in enumerate(src):
+                paid = {(dst[k], rep) for dst, rep in reads if dst[k] != a}
+                row[k] = sum(rep * self.reshard_time(v, a, b) for b, rep in paid)
+            hit = self._own_rows[key] = (row, src, reads)  # holding the lists keeps ids unique
+        return hit[0]
 
     def bytes_row(self, v: Value, specs: tuple[Spec, ...]) -> np.ndarray:
         """Bytes per device of value ``v`` under each of ``specs``."""

@@ -226,13 +226,8 @@ def _price_reads(cg: CostGraph, enc: Encoding, v: Value, reads: list[Read],
     wanted = [(enc.index[cg.root[r.node]], enc.spec_list(r.node, r.operand, False), r.repeat)
               for r in reads]
     groups = {g for g, _, _ in wanted}
-    if groups == {producer}:
-        # Read only inside the producer's group: each distinct target once, per strategy.
-        row = np.zeros(len(src))
-        for k, a in enumerate(src):
-            paid = {(dst[k], rep) for _, dst, rep in wanted if dst[k] != a}
-            row[k] = sum(rep * cg.reshard_time(v, a, b) for b, rep in paid)
-        costs[producer] += row
+    if groups == {producer}:  # read only inside the producer's group
+        costs[producer] += cg.own_group_reshards(v, src, [(dst, rep) for _, dst, rep in wanted])
         return
     if len(wanted) == 1:
         g, dst, rep = wanted[0]

@@ -101,9 +101,11 @@ def solve(request: SolverRequest, options: SolverOptions = SolverOptions()) -> S
     if not prob.fanouts:
         proven = dual.bound
     elif options.refine:
-        proven = min_sum_seed(prob.pairwise(split=True), target=exact(first),
-                              gap=gap, deadline=time.perf_counter() + max(0.4 * window,
-                                                                         0.2 * limit)).bound
+        # from where the first diffusion ended: the two differ only in fan-out targets
+        proven = min_sum_seed(prob.pairwise(split=True), target=exact(first), gap=gap,
+                              messages=dual.messages,
+                              deadline=time.perf_counter() + max(0.4 * window,
+                                                                 0.2 * limit)).bound
     else:
         proven = 0.0  # nothing to decide by it: the best seed is the answer
     # The other starts get their time after diffusion, however long it took: on moe-tiny

@@ -41,17 +41,24 @@ class Diffused:
 
     choice: list[int]  # one strategy per node
     bound: float  # seconds; <= the cost of every assignment of ``prob``
+    #: per pair (gu, gv): the cost moved from its matrix onto gu's and gv's strategies; any
+    #: such moves keep every plan's total, so they warm-start a problem of the same graph
+    messages: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]
 
 
 def min_sum_seed(prob: Reduced, deadline: float, gap: float = 0.0,
-                 target: float | None = None) -> Diffused:
+                 target: float | None = None,
+                 messages: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] | None = None,
+                 ) -> Diffused:
     """Diffuse until ``deadline``, until a decoded plan is within ``gap`` (relative) of the
     bound (given ``target``, the cost of a plan found otherwise: until the bound is within
     ``gap`` of it), or until neither improves; return the best decoded plan and the bound.
 
     The bound holds for ``prob`` as given (pairwise costs and node costs; the memory budget
     is left out, which only lowers it): it bounds a request whose costs are never below
-    ``prob``'s (``Reduced.pairwise``).
+    ``prob``'s (``Reduced.pairwise``). ``messages`` (``Diffused.messages`` of a problem on
+    the same groups and pairs, e.g. the same request priced otherwise) start the sweeps where
+    that problem's ended: valid for any messages, near-converged when the costs are close.
     Forbidden (``inf``) costs become a finite penalty far above every real cost, which only
     lowers the bound; decoded plans avoid them wherever their neighbours allow.
     """
@@ -67,19 +74,34 @@ def min_sum_seed(prob: Reduced, deadline: float, gap: float = 0.0,
     # matrix; sides[u] holds (neighbour, view) per edge of u, with u's strategies on the
     # view's rows (the matrix or its transpose, both writing to the same array).
     own = [bounded(u) for u in prob.unary]
-    pair = [bounded(m) for m in prob.pairs.values()]
+    given = [bounded(m) for m in prob.pairs.values()]
+    pair = [m.copy() for m in given]
+    for (gu, gv), mat in zip(prob.pairs, pair):
+        if messages and (gu, gv) in messages:
+            to_u, to_v = messages[(gu, gv)]
+            mat -= to_u[:, None] + to_v[None, :]
+            own[gu] += to_u
+            own[gv] += to_v
     sides: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(n)]
     for mat, (gu, gv) in zip(pair, prob.pairs):
         sides[gu].append((gv, mat))
         sides[gv].append((gu, mat.T))
 
+    views = [[view for _, view in side] for side in sides]  # the hot loop's own lists
+    weights = [1.0 / (len(side) + 1) for side in sides]
+
     def diffuse(u: int) -> None:
-        if not sides[u]:
+        mats = views[u]
+        if not mats:
             return
-        cheapest = [view.min(axis=1) for _, view in sides[u]]
-        share = (own[u] + sum(cheapest)) / (len(sides[u]) + 1)
-        for (_, view), low in zip(sides[u], cheapest):
-            view -= (low - share)[:, None]
+        cheapest = [view.min(axis=1) for view in mats]
+        share = own[u]
+        for low in cheapest:
+            share = share + low
+        share *= weights[u]
+        for view, low in zip(mats, cheapest):
+            low -= share
+            view -= low[:, None]
         own[u] = share
 
     def bound() -> float:
@@ -121,4 +143,8 @@ def min_sum_seed(prob: Reduced, deadline: float, gap: float = 0.0,
         now = bound()
         idle = 0 if improved or now > low + STILL * abs(low) else idle + 1
         low = max(low, now)
-    return Diffused([best[g] for g in prob.group_of], min(low, best_value))
+    moved = {}
+    for key, before, after in zip(prob.pairs, given, pair):
+        shift = before - after  # = to_u[:, None] + to_v[None, :]
+        moved[key] = (shift[:, 0].copy(), shift[0, :] - shift[0, 0])
+    return Diffused([best[g] for g in prob.group_of], min(low, best_value), moved)
