@@ -109,8 +109,14 @@ def plan_auto(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions,
     scores: dict[str, Any] = dict(alternatives)
     best: tuple[str, AutoResult] | None = None
     limit, scoring = options.scoring()
+    scored_as: dict[tuple, str] = {}  # pins -> the hand-written plan first scored with them
     with timings.phase("baselines"):
         for name, specs in baselines.items():
+            pins = tuple(tuple(tuple(axes) for axes in spec) for spec in specs)
+            if pins in scored_as:  # e.g. tp and dp_tp where the data axis has size 1
+                scores[name] = scores[scored_as[pins]]
+                continue
+            scored_as[pins] = name
             try:
                 scored = job.score(specs, time_limit=limit, solver=scoring)
             except PlanError as err:  # the cost model cannot express this hand-written plan

@@ -145,6 +145,27 @@ def test_auto_never_returns_a_plan_predicted_slower_than_a_hand_written_one(monk
                                          logical_axes=LOGICAL).input_specs
 
 
+def test_hand_written_plans_with_the_same_pins_are_scored_once(monkeypatch):
+    """Where the data axis has size 1, tp and dp_tp pin every input alike: one scoring."""
+    from spmd.search.intra_op import IntraOp
+
+    pinned = []
+    real = IntraOp.score
+
+    def counted(self, pins, **kwargs):
+        pinned.append(tuple(pins))
+        return real(self, pins, **kwargs)
+
+    monkeypatch.setattr(IntraOp, "score", counted)
+    mesh = spmd.make_mesh({"data": 1, "model": 8}, virtual=True)
+    options = spmd.SearchOptions(cache=False, time_limit=2.0)
+    with pytest.warns(UserWarning, match="size 1"):
+        plan = spmd.plan(_step, *_args(), mesh=mesh, method="auto", options=options,
+                         logical_axes=LOGICAL)
+    assert len(pinned) == len(set(pinned)) < len(plan.alternatives)
+    assert plan.alternatives["dp_tp"] is plan.alternatives["tp"]
+
+
 def test_planning_hides_the_old_heap_from_the_collector_and_restores_it():
     import gc
 

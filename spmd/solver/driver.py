@@ -111,7 +111,8 @@ def solve(request: SolverRequest, options: SolverOptions = SolverOptions()) -> S
     # The other starts get their time after diffusion, however long it took: on moe-tiny
     # over 16 A100s the all-first-strategy start is the best (0.094 ms, diffusion 0.119).
     after = time.perf_counter()
-    deadline = max(start + window, after + 0.5 * window)
+    # (Without CP-SAT to follow, the limit is the answer's: no start past it.)
+    deadline = max(start + window, after + 0.5 * window) if options.refine else start + limit
     # Then, while the gap is open, more starts (local optima differ widely: on a 24-layer GPT
     # the all-first-strategy start, mostly replicated, ended 39% below the greedy one):
     # greedy, and while seeding time is left every group's first, last and cheapest own
