@@ -41,7 +41,7 @@ def cache_path(sig: StepSignature, inputs: Sequence[InputInfo], mesh: DeviceMesh
     digest.update(repr([(i.path, i.shape, str(i.dtype), i.kind, i.pinned) for i in inputs])
                   .encode())
     digest.update(repr((mesh.axis_names, mesh.axis_sizes, sorted(mesh.links.items()),
-                        mesh.device, options.memory_budget, FORMAT_VERSION,
+                        mesh.device, options.plan_key(), FORMAT_VERSION,
                         _code_version())).encode())
     return options.directory() / f"{digest.hexdigest()[:32]}.json"
 

@@ -150,6 +150,13 @@ class SearchOptions:
         default = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "spmd" / "plans"
         return Path(self.cache_dir or default)
 
+    def plan_key(self) -> str:
+        """Every option that can change a plan (not where or whether it is cached): a cached
+        plan found under other options is not reused."""
+        rules = sorted((self.rules or {}).items())
+        own = dataclasses.replace(self, rules=None, cache=True, cache_dir=None)
+        return repr(own) + repr(rules)
+
     def scoring(self) -> tuple[float, SolverOptions]:
         """The time limit and solver options for scoring one hand-written plan."""
         return (min(self.time_limit, self.score_time_limit),

@@ -19,7 +19,7 @@ from spmd.errors import PlanError, warn
 from spmd.manual import ManualMethod, applicable_methods, leaf_spec, manual_specs
 from spmd.options import SearchOptions
 from spmd.plan import Plan
-from spmd.search.intra_op import AutoResult, InputInfo, IntraOp
+from spmd.search.intra_op import AutoResult, InputInfo, IntraOp, score_result
 from spmd.sharding import Spec
 from spmd.timing import Stopwatch
 from spmd.trace.graph import Graph, build_graph
@@ -77,15 +77,11 @@ def score_manual(sig: StepSignature, mesh: DeviceMesh, method: str, options: Sea
                  graph: Graph | None = None) -> AutoResult:
     """The cost model's view of one hand-written plan (intermediates chosen by the ILP), with
     the sharding constraints that compile it as scored."""
-    specs = manual_specs(sig.leaves, method, mesh)
-    inputs = step_inputs(sig, mesh, options)
-    job = IntraOp(graph if graph is not None else build_graph(sig.jaxpr), inputs, mesh,
-                  output_aliases=sig.output_aliases,
-                  required=[(i.shape, s) for i, s in zip(inputs, specs)])
     limit, solver = options.scoring()
-    result = job.score(specs, time_limit=limit, solver=solver)
-    result.constraints = job.constraints(result)
-    return result
+    return score_result(sig.jaxpr, step_inputs(sig, mesh, options), mesh,
+                        manual_specs(sig.leaves, method, mesh),
+                        output_aliases=sig.output_aliases, time_limit=limit, graph=graph,
+                        solver=solver)
 
 
 def plan_auto(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions,
@@ -97,7 +93,8 @@ def plan_auto(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions,
     with timings.phase("cache"):
         path = cache.cache_path(sig, inputs, mesh, options)
         cached = cache.load(path, sig, mesh)
-    if cached is not None:
+    if cached is not None:  # this call's phases (tracing, the load), not the saved run's
+        cached.search["timings"] = timings.as_dict()
         return cached
     with timings.phase("graph"):
         graph = build_graph(sig.jaxpr)  # one op graph for every scoring and the search

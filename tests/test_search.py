@@ -1,5 +1,6 @@
 """method="auto" through the public API: cache, warnings and errors a user sees."""
 
+import dataclasses
 import time
 
 import jax
@@ -36,7 +37,12 @@ def test_second_plan_is_loaded_from_the_cache(tmp_path):
     assert second.input_specs == first.input_specs
     assert second.constraints == first.constraints
     assert time.perf_counter() - start < first.search["search_seconds"] + 5
+    assert set(second.search["timings"]) == {"trace", "cache"}  # this call's own phases
     assert len(list(tmp_path.glob("*.json"))) == 1
+    # a plan found under other options (here a shorter search) is not reused
+    other = spmd.plan(_step, *_args(), mesh=mesh, method="auto",
+                      options=dataclasses.replace(options, time_limit=3.0))
+    assert "cache" not in other.search and len(list(tmp_path.glob("*.json"))) == 2
 
 
 def test_unmeetable_budget_states_the_least_memory():

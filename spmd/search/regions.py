@@ -121,8 +121,7 @@ def search_region(region: Region, mesh: DeviceMesh, *,
     aliases = region_aliases(region, output_aliases)
     digest = hashlib.sha256(repr((
         region.key(), [(i.shape, str(i.dtype), i.kind, i.pinned) for i in inputs],
-        sorted(aliases.items()), _mesh_key(mesh), options.memory_budget, options.time_limit,
-        options.solver)).encode()).hexdigest()[:32]
+        sorted(aliases.items()), _mesh_key(mesh), options.plan_key())).encode()).hexdigest()[:32]
     if cache is not None:
         hit = cache.get(digest)
         if hit is not None:
