@@ -11,14 +11,14 @@ A request saved with ``to_json`` replays with ``SolverRequest.from_json`` to deb
 Min-sum diffusion (``spmd.solver.min_sum``) runs first: it decodes a plan that sees costs
 paid far downstream, and proves a lower bound on every plan (the dual of the LP relaxation).
 A fast local search (spanning-tree dynamic programs, coordinate descent) improves it and
-other starts (greedy, every group's first / last / cheapest strategy, the warm start). A seed
-within ``SolverOptions.gap`` of the bound is returned as it is: CP-SAT could only confirm
-it. Otherwise CP-SAT starts from the best seed as a complete hint and stops once no plan
-better by ``stall_gain`` came for a short window; large models get one presolve round or
-none (``SolverOptions``), as on 2 cores presolve alone outlasts a limit of seconds. Measured
-on 2 cores: a planner-like 2,000-node / 3,000-edge request (4-30 strategies) returns in ~8 s
-with a 10 s limit, 2% above the bound (CP-SAT's own LP bound left it 13% below); a 24-layer
-GPT's request in ~2 s, 0.04% above it.
+other starts (every group's first strategy, greedy, every group's last / cheapest strategy,
+the warm start). A seed within ``SolverOptions.gap`` of the bound is returned as it is:
+CP-SAT could only confirm it. Otherwise CP-SAT starts from the best seed as a complete hint
+and stops once no plan better by ``stall_gain`` came for a short window; large models get
+one presolve round or none (``SolverOptions``), as on 2 cores presolve alone outlasts a
+limit of seconds. Measured on 2 cores: a planner-like 2,000-node / 3,000-edge request
+(4-30 strategies) returns in ~8 s with a 10 s limit, 2% above the bound (CP-SAT's own LP
+bound left it 13% below); a 24-layer GPT's request in ~3 s, 0.1% above it.
 
 This module drives the solver: ``solve`` (seeding, running CP-SAT, explaining an infeasible
 request). The request and result types with ``validate``, ``evaluate`` and ``memory_peak``
@@ -58,11 +58,11 @@ __all__ = ["solve"]
 def solve(request: SolverRequest, options: SolverOptions = SolverOptions()) -> SolverResult:
     """Pick one strategy per node minimizing Σ node + edge costs under the memory budget.
 
-    The best seed (the diffused plan, greedy, uniform starts and ``warm_start``, each improved
-    by local moves) is returned when within ``options.gap`` of the diffusion bound; else it
-    is CP-SAT's hint, and the fallback when CP-SAT finds nothing in the time limit. The bound
-    reported is the better of diffusion's and CP-SAT's. Charges and fan-outs are exact in
-    CP-SAT and in the seeds' ranking; the seeds see them as pairwise costs
+    The best seed (the diffused plan, uniform and greedy starts and ``warm_start``, each
+    improved by local moves) is returned when within ``options.gap`` of the diffusion bound;
+    else it is CP-SAT's hint, and the fallback when CP-SAT finds nothing in the time limit.
+    The bound reported is the better of diffusion's and CP-SAT's. Charges and fan-outs are
+    exact in CP-SAT and in the seeds' ranking; the seeds see them as pairwise costs
     (``Reduced.pairwise``): a charge spread over the groups that can incur it; a fan-out
     target paid by every consumer that wants it (so seeds do not reshard a value for several
     consumers that would each pay part of it). That over-counts, so with fan-outs the bound
@@ -118,22 +118,26 @@ def solve(request: SolverRequest, options: SolverOptions = SolverOptions()) -> S
     # one first (it scored fsdp there 14% below every other start), greedy, and while
     # seeding time is left every group's last and cheapest own strategy, each improved by
     # the same moves.
-    def uniform(init: list[int]) -> list[int] | None:
+    def improved(init: list[int] | None) -> list[int] | None:
+        """``init`` (one strategy per group; None: greedy) improved by local moves, if
+        there is time left."""
         if time.perf_counter() > deadline:
             return None
-        return local_search(seeding, deadline=deadline, start=[init[g] for g in prob.group_of])
+        return local_search(seeding, deadline=deadline,
+                            start=None if init is None else [init[g] for g in prob.group_of])
 
-    starts = [lambda: first, lambda: uniform([0] * len(prob.unary)),
-              lambda: local_search(seeding, deadline=deadline)]
-    starts += [lambda init=init: uniform(init)
-               for init in ([len(u) - 1 for u in prob.unary],
+    starts = [lambda: first]
+    starts += [lambda init=init: improved(init)
+               for init in ([0] * len(prob.unary), None, [len(u) - 1 for u in prob.unary],
                             [int(np.argmin(u)) for u in seeding.unary])]
     own = len(starts)  # the starts before this one are the solver's own
     if request.warm_start is not None:
-        # The warm start as given, and improved (repaired, where it forbids a pair).
+        # The warm start as given, and improved (repaired, where it forbids a pair; given
+        # CP-SAT to follow, even past the seeds' time).
         warm = list(request.warm_start)
+        extra = 0.5 if options.refine else 0.0
         starts += [lambda: warm, lambda: local_search(
-            seeding, deadline=max(deadline, time.perf_counter() + 0.5), start=warm)]
+            seeding, deadline=max(deadline, time.perf_counter() + extra), start=warm)]
     scored: list[tuple[float, int, list[int]]] = []
     for i, make in enumerate(starts):
         if scored and _within_gap(scored[0][0], proven, gap):
@@ -177,7 +181,11 @@ def solve(request: SolverRequest, options: SolverOptions = SolverOptions()) -> S
                                   stall=options.stall_window(request.time_limit),
                                   offset=scaled.offset * scaled.scale)
     if status == cp_model.INFEASIBLE:
-        _explain_infeasible(request, prob, scaled, options)
+        if not scored:
+            _explain_infeasible(request, prob, scaled, options)
+        # A seed fits: only the integer model's rounding (memory up, the budget down) shut
+        # it out, so it is the answer.
+        return best_seed(timed_out=False, built=built)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         if not scored:
             raise PlanError(
