@@ -39,6 +39,25 @@ def test_layers_cut_the_forward_between_blocks_and_cover_every_op(gpt4):
     assert units == len(ops)
 
 
+def test_more_layers_than_the_graph_has_quiet_gaps_still_cuts_every_layer():
+    """Activations that only grow dip at few gaps (4 of 11 here); asked for one layer per
+    op, the cut uses every gap, in order, rather than leaving layers empty."""
+    import jax.numpy as jnp
+
+    from spmd.trace.graph import build_graph
+
+    def grow(x):
+        for _ in range(6):
+            x = jnp.concatenate([x, x * 2.0])
+        return x
+
+    graph = build_graph(jax.make_jaxpr(grow)(jnp.ones((4,))))
+    fwd = forward_ops(graph)
+    assert [layer_of(graph, len(fwd))[i] for i in fwd] == list(range(len(fwd)))
+    with pytest.raises(ValueError, match="cannot cut"):
+        layer_of(graph, len(fwd) + 1)
+
+
 def test_a_layer_range_on_a_submesh_compiles_as_predicted_and_repeats_from_the_cache(gpt4):
     sig, graph = gpt4
     mesh = spmd.load_mesh("meshes/cpu-8.yaml")  # data=2 x model=4, 8 CPU devices

@@ -92,6 +92,8 @@ def _cuts(flops: np.ndarray, crossing: np.ndarray, count: int) -> list[int]:
     prefix = np.concatenate([[0.0], np.cumsum(flops)])
     gaps = [t for t in range(1, n) if crossing[t] <= crossing[t - 1]
             and (t + 1 >= n or crossing[t] <= crossing[t + 1])]
+    if len(gaps) < count - 1:  # too few local minima for that many layers: any gap
+        gaps = list(range(1, n))
     points = [0] + gaps + [n]
     mean = prefix[-1] / count
     eps = EPS
@@ -112,8 +114,10 @@ def _cuts(flops: np.ndarray, crossing: np.ndarray, count: int) -> list[int]:
                     cost = best[k - 1][i] + (crossing[points[j]] if j < len(points) - 1 else 0)
                     if cost < best[k][j]:
                         best[k][j], back[k][j] = cost, i
-        if np.isfinite(best[count][-1]) or eps > 1e6:
+        if np.isfinite(best[count][-1]):
             break
+        if eps > 1e6:  # unreachable while count <= n: then every split is balanced enough
+            raise ValueError(f"cannot cut {n} forward ops into {count} layers")
         eps *= 2
     cuts, j = [], len(points) - 1
     for k in range(count, 0, -1):

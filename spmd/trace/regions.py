@@ -27,7 +27,6 @@ import hashlib
 from typing import Any, Sequence
 
 import jax
-from jax.extend import core as jcore
 
 from spmd.errors import PlanError
 from spmd.trace.graph import Graph, Value
