@@ -134,11 +134,7 @@ def run_case(model_name: str, mesh_name: str, time_limit: float, steps: int) -> 
         "mesh_describe": mesh.describe(), "run": runnable, "time_limit": time_limit,
     }
 
-    def create():
-        net = spec.create(0)
-        return net, spec.optimizer(net)
-
-    args = (*nnx.eval_shape(create), jax.eval_shape(lambda: spec.batch(batch_size, 0)))
+    args = (*nnx.eval_shape(spec.training_state), jax.eval_shape(lambda: spec.batch(batch_size, 0)))
     # Hand-written plans scored as accurately as the search itself (CP-SAT refining each,
     # up to the same limit): the criteria compare auto with the best of them.
     options = spmd.SearchOptions(time_limit=time_limit, compare=True, cache=False,
@@ -150,7 +146,7 @@ def run_case(model_name: str, mesh_name: str, time_limit: float, steps: int) -> 
     out["warnings"] = sorted({str(w.message) for w in caught})
     if runnable:  # the auto plan, run a few steps on the 8 simulated devices
         step = spmd.ParallelStep.from_plan(plan)
-        net, opt = spmd.materialize(create, plan)
+        net, opt = spmd.materialize(spec.training_state, plan)
         batch = spmd.shard_batch(plan, spmd.process_local_batch(plan, spec.batch(batch_size, 0)))
         losses, times = [], []
         for _ in range(steps):

@@ -56,17 +56,13 @@ def measure(mesh_path: str, cases, steps: int, out: Path | None) -> list[dict]:
             continue
         spec = models.get(name).with_config(dtype=dtype, **overrides)
 
-        def create():
-            net = spec.create(0)
-            return net, spec.optimizer(net)
-
-        abstract_model, abstract_opt = nnx.eval_shape(create)
+        abstract_model, abstract_opt = nnx.eval_shape(spec.training_state)
         batch = spec.batch(batch_size, 0)
         # compare=True: the hand-written plan is scored by the cost model (its prediction)
         options = spmd.SearchOptions(compare=True, time_limit=5.0, cache=False)
         step = spmd.parallelize(spec.train_step, mesh=mesh, method="dp", options=options)
         plan = step.plan_for(abstract_model, abstract_opt, batch)
-        net, opt = spmd.materialize(create, plan)
+        net, opt = spmd.materialize(spec.training_state, plan)
         batch = spmd.shard_batch(plan, batch)
         start = time.perf_counter()
         compiled = step.compile(net, opt, batch)

@@ -61,13 +61,9 @@ class Initial:
         import numpy as np
         from flax import nnx
 
-        def create():
-            net = spec.create(0)
-            return net, spec.optimizer(net)
-
-        abstract_model, abstract_opt = nnx.eval_shape(create)
+        abstract_model, abstract_opt = nnx.eval_shape(spec.training_state)
         graphdef, _ = nnx.split((abstract_model, abstract_opt))
-        state = jax.device_get(jax.jit(lambda: nnx.split(create())[1])())
+        state = jax.device_get(jax.jit(lambda: nnx.split(spec.training_state())[1])())
         batch = jax.tree.map(np.asarray, spec.batch(batch_size, 0))
         return cls(abstract_model, abstract_opt, graphdef, state, batch,
                    spec.items_per_batch(batch_size))

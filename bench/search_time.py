@@ -67,11 +67,7 @@ def run_case(layers: int, time_limit: float | None, compare: bool, wide: bool) -
     spec = base.with_config(**COMPARE_WIDTH) if wide else base.with_config(num_layers=layers)
     batch_size = COMPARE_BATCH if wide else spec.default_batch_size
 
-    def create():
-        net = spec.create(0)
-        return net, spec.optimizer(net)
-
-    abstract_model, abstract_opt = nnx.eval_shape(create)
+    abstract_model, abstract_opt = nnx.eval_shape(spec.training_state)
     abstract_batch = jax.eval_shape(lambda: spec.batch(batch_size, 0))
     kwargs = {} if time_limit is None else {"time_limit": time_limit}
     options = spmd.SearchOptions(cache=False, compare=compare, **kwargs)

@@ -123,6 +123,12 @@ class ModelSpec:
         """The model with fp32 params initialized from `seed`."""
         return self._module.create(self.config, seed)
 
+    def training_state(self, seed: int = 0) -> tuple[nnx.Module, nnx.Optimizer]:
+        """The model (from `seed`) and its AdamW optimizer: `train_step`'s first arguments.
+        Under `nnx.eval_shape` nothing is allocated."""
+        model = self.create(seed)
+        return model, self.optimizer(model)
+
     def batch(self, batch_size: int | None = None, seed: int = 0) -> dict[str, jax.Array]:
         """A deterministic synthetic batch; dim 0 of every array is the batch dim."""
         size = self.default_batch_size if batch_size is None else batch_size

@@ -12,7 +12,7 @@ from flax import nnx
 
 from spmd.cluster.mesh import DeviceMesh
 from spmd.errors import PlanError
-from spmd.manual import METHODS, manual_specs
+from spmd.manual import get_method, manual_specs
 from spmd.options import SearchOptions
 from spmd.plan import Plan
 from spmd.planner import plan_auto, score_manual
@@ -86,8 +86,8 @@ def _old_heap_frozen() -> Iterator[None]:
 
 
 def _check_method(method: str) -> None:
-    if method != "auto" and method not in METHODS:
-        raise PlanError(f"unknown method {method!r}; valid methods: auto, {', '.join(METHODS)}")
+    if method != "auto":
+        get_method(method)  # raises, naming the valid methods
 
 
 class ParallelStep:
@@ -112,13 +112,14 @@ class ParallelStep:
         self._last: Plan | None = None
 
     @classmethod
-    def from_plan(cls, plan: Plan, donate: bool | None = None) -> "ParallelStep":
+    def from_plan(cls, plan: Plan, donate: bool | None = None, *, logical_axes: Any = None,
+                  options: SearchOptions | None = None) -> "ParallelStep":
         """A step that runs ``plan`` (e.g. one ``spmd.plan`` returned, or loaded and bound)
         for arguments shaped like those it was planned for; other shapes are planned with
-        its method, as ``parallelize`` would."""
+        its method, ``logical_axes`` and ``options``, as ``parallelize`` would."""
         sig = plan.bound_signature()
-        step = cls(sig.step_fn, plan.mesh, plan.method, batch_argnums=tuple(sig.batch_argnums),
-                   donate=donate)
+        step = cls(sig.step_fn, plan.mesh, plan.method, logical_axes=logical_axes,
+                   batch_argnums=tuple(sig.batch_argnums), donate=donate, options=options)
         key = (sig.in_treedef, tuple((tuple(a.shape), str(a.dtype)) for a in sig.in_avals))
         step._prepared[key] = prepare(plan, donate)
         return step

@@ -76,8 +76,7 @@ def run(
     size = batch_size or spec.default_batch_size
 
     def create():
-        net = spec.create(seed)
-        return net, spec.optimizer(net)
+        return spec.training_state(seed)
 
     abstract_model, abstract_opt = nnx.eval_shape(create)
     batch = spec.batch(size, seed)
@@ -138,11 +137,7 @@ def plan_cmd(
     spec = _model(model)
     size = batch_size or spec.default_batch_size
 
-    def create():
-        net = spec.create(0)
-        return net, spec.optimizer(net)
-
-    abstract_model, abstract_opt = nnx.eval_shape(create)
+    abstract_model, abstract_opt = nnx.eval_shape(spec.training_state)
     abstract_batch = jax_abstract(spec.batch, size)
     options = spmd.SearchOptions(time_limit=time_limit, memory_budget=memory_budget)
     plan = spmd.plan(spec.train_step, abstract_model, abstract_opt, abstract_batch,
@@ -175,11 +170,7 @@ def compare(
     spec = _model(model)
     size = batch_size or spec.default_batch_size
 
-    def create():
-        net = spec.create(0)
-        return net, spec.optimizer(net)
-
-    args = (*nnx.eval_shape(create), jax_abstract(spec.batch, size))
+    args = (*nnx.eval_shape(spec.training_state), jax_abstract(spec.batch, size))
     record = verify.compare(spec.train_step, *args, mesh=device_mesh,
                             options=spmd.SearchOptions(time_limit=time_limit))
     typer.echo(f"model {spec.name}: {spec.param_count():,} parameters, global batch {size}; "

@@ -15,20 +15,12 @@ import numpy as np
 from spmd.cluster.mesh import DeviceMesh
 from spmd.explain import describe as explain
 from spmd.search.predict import Prediction
-from spmd.sharding import Spec, bytes_per_device, to_partition_spec
+from spmd.sharding import Spec, bytes_per_device, spec_from_json, spec_to_json, to_partition_spec
 from spmd.trace.signature import Leaf, StepSignature
 
 __all__ = ["FORMAT_VERSION", "Plan"]
 
 FORMAT_VERSION = 2
-
-
-def _spec_to_json(spec: Spec | None) -> list | None:
-    return None if spec is None else [list(axes) for axes in spec]
-
-
-def _spec_from_json(raw: list | None) -> Spec | None:
-    return None if raw is None else tuple(tuple(axes) for axes in raw)
 
 
 @dataclasses.dataclass
@@ -96,11 +88,7 @@ class Plan:
     def attach_measured(self, report) -> None:
         """Record what the compiled program did (a ``spmd.analyze`` Report) beside the
         prediction."""
-        comm, unpriced = report.comm_time(self.mesh)
-        self.measured = {
-            "collectives": {k: [c, b] for k, (c, b) in report.collectives.items()},
-            "memory": None if report.memory is None else dataclasses.asdict(report.memory),
-            "flops": report.flops, "comm_time": comm, "unpriced_collectives": unpriced}
+        self.measured = report.record(self.mesh)
 
     def describe(self, max_rows: int | None = 60) -> str:
         """A readable report: parameter specs, predicted collectives and time, alternatives,
@@ -117,9 +105,9 @@ class Plan:
             "inputs": [{"path": l.path, "kind": l.kind, "shape": list(l.shape),
                         "dtype": np.dtype(l.dtype).name,
                         "logical": list(l.logical) if l.logical else None,
-                        "spec": _spec_to_json(s)} for l, s in zip(self.leaves, self.input_specs)],
-            "outputs": [_spec_to_json(s) for s in self.output_specs],
-            "constraints": {k: _spec_to_json(v) for k, v in self.constraints.items()},
+                        "spec": spec_to_json(s)} for l, s in zip(self.leaves, self.input_specs)],
+            "outputs": [spec_to_json(s) for s in self.output_specs],
+            "constraints": {k: spec_to_json(v) for k, v in self.constraints.items()},
             "prediction": None if self.prediction is None else self.prediction.to_dict(),
             "search": self.search,
             "alternatives": {k: v if isinstance(v, str) else v.to_dict()
@@ -139,11 +127,11 @@ class Plan:
         prediction = raw.get("prediction")
         return cls(
             method=raw["method"], mesh=mesh, leaves=leaves,
-            input_specs=[_spec_from_json(e["spec"]) for e in raw["inputs"]],
-            output_specs=[_spec_from_json(s) for s in raw["outputs"]],
+            input_specs=[spec_from_json(e["spec"]) for e in raw["inputs"]],
+            output_specs=[spec_from_json(s) for s in raw["outputs"]],
             prediction=None if prediction is None else Prediction.from_dict(prediction),
             search=raw.get("search"),
-            constraints={k: _spec_from_json(v) for k, v in raw.get("constraints", {}).items()},
+            constraints={k: spec_from_json(v) for k, v in raw.get("constraints", {}).items()},
             alternatives={k: v if isinstance(v, str) else Prediction.from_dict(v)
                           for k, v in raw.get("alternatives", {}).items()},
             measured=raw.get("measured"),

@@ -25,6 +25,20 @@ def replicated(ndim: int) -> Spec:
     return ((),) * ndim
 
 
+def spec_to_json(spec: Spec | None) -> list | None:
+    """A spec as JSON holds it (lists of axis names; None stays None)."""
+    return None if spec is None else [list(axes) for axes in spec]
+
+
+def spec_from_json(raw: list | None) -> Spec | None:
+    """The inverse of ``spec_to_json``.
+
+    >>> spec_from_json(spec_to_json((("data",), ())))
+    (('data',), ())
+    """
+    return None if raw is None else tuple(tuple(axes) for axes in raw)
+
+
 def to_partition_spec(spec: Spec) -> PartitionSpec:
     """Convert to jax's form; trailing unsplit dimensions are dropped.
 

@@ -30,10 +30,6 @@ def traced_zoo_step(name: str, batch: int = 8, **config):
     if config:
         spec = spec.with_config(**config)
 
-    def create():
-        net = spec.create(0)
-        return net, spec.optimizer(net)
-
-    model, opt = nnx.eval_shape(create)
+    model, opt = nnx.eval_shape(spec.training_state)
     sig = StepSignature(spec.train_step, (model, opt, jax.eval_shape(lambda: spec.batch(batch, 0))))
     return sig, build_graph(sig.jaxpr)

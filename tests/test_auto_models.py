@@ -46,11 +46,7 @@ def test_zero_plan_is_scored():
 
     spec = models.get("mlp-tiny")
 
-    def create():
-        net = spec.create(0)
-        return net, spec.optimizer(net)
-
-    am, ao = nnx.eval_shape(create)
+    am, ao = nnx.eval_shape(spec.training_state)
     from spmd.manual import manual_specs
 
     sig = StepSignature(spec.train_step, (am, ao, spec.batch(spec.default_batch_size, 0)))
@@ -168,11 +164,7 @@ def test_every_consumer_of_a_resharded_value_is_constrained():
 
     spec = models.get("gpt-tiny")
 
-    def create():
-        net = spec.create(0)
-        return net, spec.optimizer(net)
-
-    am, ao = nnx.eval_shape(create)
+    am, ao = nnx.eval_shape(spec.training_state)
     sig = StepSignature(spec.train_step, (am, ao, spec.batch(8, 0)))
     graph = build_graph(sig.jaxpr)
     mesh = make_mesh({"data": 2, "model": 4}, virtual=True)

@@ -72,14 +72,10 @@ def test_state_keeps_its_sharding_across_steps(mesh, method):
     spec = models.get("gpt-tiny")
     batch = spec.batch(spec.default_batch_size, 0)
 
-    def create():
-        net = spec.create(0)
-        return net, spec.optimizer(net)
-
-    abstract_model, abstract_opt = nnx.eval_shape(create)
+    abstract_model, abstract_opt = nnx.eval_shape(spec.training_state)
     plan = spmd.plan(spec.train_step, abstract_model, abstract_opt, batch, mesh=mesh,
                      method=method)
-    net, opt = spmd.materialize(create, plan)
+    net, opt = spmd.materialize(spec.training_state, plan)
     step = spmd.parallelize(spec.train_step, mesh=mesh, method=method)
     want = {leaf.path: sharding for leaf, sharding
             in zip(plan.leaves, plan.input_shardings_flat()) if leaf.kind != "batch"}
@@ -92,7 +88,7 @@ def test_state_keeps_its_sharding_across_steps(mesh, method):
                 assert array.sharding.is_equivalent_to(want[leaf.path], array.ndim), leaf.path
     assert losses[2] < losses[0]
     # The same three steps on one device give the same losses.
-    ref_net, ref_opt = create()
+    ref_net, ref_opt = spec.training_state()
     ref_step = nnx.jit(spec.train_step)
     ref = [float(ref_step(ref_net, ref_opt, batch)["loss"]) for _ in range(3)]
     np.testing.assert_allclose(losses, ref, rtol=1e-4)

@@ -124,6 +124,21 @@ class Report:
             out[op.kind] = (count + runs, nbytes + runs * op.bytes)
         return out
 
+    def record(self, mesh) -> dict[str, Any]:
+        """JSON-ready: collectives per kind and their total bytes, their time priced by the
+        cost model on ``mesh`` (``comm_time``), memory (``peak_bytes`` and its parts) and
+        FLOPs per device. ``Plan.measured`` and every compared plan's entry hold this."""
+        mem = self.memory
+        comm, unpriced = self.comm_time(mesh)
+        return {
+            "collectives": {k: [c, b] for k, (c, b) in self.collectives.items()},
+            "total_collective_bytes": self.total_collective_bytes,
+            "comm_time": comm, "unpriced_collectives": unpriced,
+            "peak_bytes": None if mem is None else mem.peak_bytes,
+            "memory": None if mem is None else dataclasses.asdict(mem),
+            "flops": self.flops,
+        }
+
     def comm_time(self, mesh) -> tuple[float, int]:
         """Seconds per execution of the collectives XLA emitted, each priced alone by spmd's
         cost model on ``mesh`` (a ``DeviceMesh``), and how many could not be priced (a

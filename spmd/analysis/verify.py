@@ -27,7 +27,7 @@ import math
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from spmd.analysis.report import Report, analyze
+from spmd.analysis.report import analyze
 from spmd.api import plan
 from spmd.manual import applicable_methods, manual_specs
 from spmd.options import SearchOptions
@@ -51,24 +51,6 @@ CRITERIA = {"A": "auto predicted time <= best hand-written predicted time",
                       f"{BYTES_SLACK} x the least of the hand-written plans whose "
                       f"arg+temp memory is no more than auto's",
             "C": f"|predicted / HLO bytes - 1| <= {PRED_TOLERANCE}"}
-
-
-def measure(report: Report, mesh) -> dict[str, Any]:
-    """What one compiled program did, JSON-ready: collectives per kind, their total bytes,
-    their time priced by the cost model on ``mesh`` (each alone: the plans as XLA runs them,
-    on the predictions' scale), memory and FLOPs per device."""
-    mem = report.memory
-    comm, unpriced = report.comm_time(mesh)
-    return {
-        "collectives": {k: [c, b] for k, (c, b) in report.collectives.items()},
-        "total_collective_bytes": report.total_collective_bytes,
-        "comm_time": comm, "unpriced_collectives": unpriced,
-        "peak_bytes": None if mem is None else mem.peak_bytes,
-        "memory": None if mem is None else {
-            "argument_bytes": mem.argument_bytes, "output_bytes": mem.output_bytes,
-            "temp_bytes": mem.temp_bytes, "alias_bytes": mem.alias_bytes},
-        "flops": report.flops,
-    }
 
 
 def memory_bytes(entry: Mapping[str, Any]) -> int | None:
@@ -107,7 +89,7 @@ def compare(step_fn: Callable, *args: Any, mesh, options: SearchOptions | None =
         "auto_state_bytes": auto.bytes_by_kind(),
     }
     start = time.perf_counter()
-    out["auto_hlo"] = measure(analyze(prepare(auto).compile()), mesh)
+    out["auto_hlo"] = analyze(prepare(auto).compile()).record(mesh)
     out["auto_compile_s"] = time.perf_counter() - start
     manual: dict[str, Any] = {}
     for method, why_not in applicable_methods(auto.leaves, mesh).items():
@@ -123,7 +105,7 @@ def compare(step_fn: Callable, *args: Any, mesh, options: SearchOptions | None =
             report = analyze(prepare(plan(step_fn, *args, mesh=mesh, method=method,
                                           **kwargs)).compile())
             manual[method] = {"applicable": True, "splits": splits,
-                              "compile_s": time.perf_counter() - start, **measure(report, mesh)}
+                              "compile_s": time.perf_counter() - start, **report.record(mesh)}
         except Exception as err:  # noqa: BLE001 - recorded, the other plans still compile
             manual[method] = {"applicable": True, "splits": splits,
                               "error": f"{type(err).__name__}: {err}"}

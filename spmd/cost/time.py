@@ -16,9 +16,9 @@ devices over a link of bandwidth ``bw`` (bytes/s per device) and latency ``alpha
 
 A collective over several mesh axes runs at the slowest of their links (``DeviceMesh.link``).
 *Independent* collectives that XLA combines (``Partitioner.combine_key``) pay their bandwidth
-each but the latency once per (kind, axes): ``CostModel.combined`` prices a set of them,
-``split`` separates the two parts. Which collectives are independent is the caller's call
-(the cost graph takes those of ops no matmul or convolution depends on).
+each but the latency once per (kind, axes): ``split`` separates the two parts, and the
+cost graph charges each shared latency once per plan. Which collectives are independent is
+the caller's call (the cost graph takes those of ops no matmul or convolution depends on).
 
 >>> from spmd.cluster.mesh import make_mesh
 >>> cm = CostModel(make_mesh({"data": 2, "model": 4}, bandwidth=100e9, latency=0.0))
@@ -99,29 +99,6 @@ class CostModel:
         """``time(c)`` as (bandwidth seconds, latency seconds)."""
         lat = self.latency(c)
         return self.time(c) - lat, lat
-
-    def combined(self, colls: Sequence[Collective]) -> tuple[float, int]:
-        """Seconds and number of collectives after XLA combines ``colls``, all independent
-        of one another: those XLA combines pay their bandwidth each and one latency per
-        (kind, axes); the others are priced alone.
-
-        >>> from spmd.cluster.mesh import make_mesh
-        >>> cm = CostModel(make_mesh({"data": 2}, bandwidth=1e9, latency=1e-5))
-        >>> t, n = cm.combined([Collective("all-reduce", ("data",), 1000.0)] * 3)
-        >>> n, round(t * 1e6, 3)  # 3 x 1 us of bandwidth, one 10 us latency
-        (1, 13.0)
-        """
-        total, keys, alone = 0.0, {}, 0
-        for c in colls:
-            key = self.partitioner.combine_key(c)
-            if key is None:
-                total += self.time(c)
-                alone += 1
-                continue
-            bw, lat = self.split(c)
-            total += bw
-            keys[key] = max(keys.get(key, 0.0), lat)
-        return total + sum(keys.values()), alone + len(keys)
 
     # -- resharding -------------------------------------------------------------------------
     def reshard(self, shape: Sequence[int], dtype, src: Spec,

@@ -142,12 +142,12 @@ class CostGraph:
     def __init__(self, graph: Graph, inputs: Sequence[InputInfo], mesh: DeviceMesh, *,
                  output_aliases: Mapping[int, int] = {},
                  required: Mapping[tuple[int, ...], Iterable[Spec]] | None = None,
-                 share_layers: bool = True, cost: CostModel | None = None):
+                 share_layers: bool = True):
         if len(inputs) != len(graph.inputs):
             raise PlanError(f"search: {len(inputs)} InputInfo given but the step has "
                             f"{len(graph.inputs)} flat inputs")
         self.graph, self.mesh = graph, mesh
-        self.cost = cost if cost is not None else CostModel(mesh)
+        self.cost = CostModel(mesh)
         self.inputs = list(inputs)
         self.mesh_shape = mesh.shape
         self.aliases = dict(output_aliases)

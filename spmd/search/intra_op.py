@@ -22,30 +22,17 @@ import numpy as np
 
 from spmd import rules as _rules
 from spmd.cluster.mesh import DeviceMesh
+from spmd.errors import PlanError
 from spmd.options import SearchOptions, SolverOptions
 from spmd.search.costgraph import CostGraph, InputInfo
 from spmd.search.encode import Encoder, Encoding
 from spmd.search.predict import Prediction, predict
-from spmd.sharding import Spec, replicated
+from spmd.sharding import Spec, replicated, spec_from_json, spec_to_json
 from spmd.solver import SolverRequest, SolverResult, solve
 from spmd.timing import Stopwatch
 from spmd.trace.graph import Graph, Value, build_graph, operand_key, value_key
 
 __all__ = ["AutoResult", "InputInfo", "IntraOp", "Prediction", "score", "score_result", "search"]
-
-#: Constraints: every op output gets one, however small (a constraint equal to what XLA would
-#: propagate costs nothing; leaving one out let XLA re-slice a value the plan had gathered,
-#: which doubled a step's all-gathers, and partition a scatter-add around batch-split indices
-#: the plan had gathered, which all-reduced a whole table gradient), plus every reshard point.
-
-
-def _spec_json(spec: Spec) -> list:
-    return [list(axes) for axes in spec]
-
-
-def _spec_load(raw) -> Spec:
-    return tuple(tuple(axes) for axes in raw)
-
 
 @dataclasses.dataclass
 class AutoResult:
@@ -65,22 +52,23 @@ class AutoResult:
 
     def to_dict(self) -> dict:
         return {
-            "input_specs": [_spec_json(s) for s in self.input_specs],
-            "output_specs": [_spec_json(s) for s in self.output_specs],
+            "input_specs": [spec_to_json(s) for s in self.input_specs],
+            "output_specs": [spec_to_json(s) for s in self.output_specs],
             "prediction": self.prediction.to_dict(),
             "solver": dataclasses.asdict(self.solver) if self.solver is not None else None,
             "stats": dict(self.stats), "fallbacks": list(self.fallbacks),
-            "constraints": {k: _spec_json(s) for k, s in self.constraints.items()},
+            "constraints": {k: spec_to_json(s) for k, s in self.constraints.items()},
         }
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "AutoResult":
         return cls(
-            [_spec_load(s) for s in d["input_specs"]], [_spec_load(s) for s in d["output_specs"]],
+            [spec_from_json(s) for s in d["input_specs"]],
+            [spec_from_json(s) for s in d["output_specs"]],
             Prediction.from_dict(d["prediction"]),
             SolverResult(**d["solver"]) if d.get("solver") else None,
             dict(d["stats"]), list(d["fallbacks"]),
-            {k: _spec_load(s) for k, s in d["constraints"].items()},
+            {k: spec_from_json(s) for k, s in d["constraints"].items()},
         )
 
 
@@ -182,7 +170,12 @@ def _result(enc: Encoding, node_choice: list[int], pred: Prediction,
 
 
 def _constraints(g: Graph, chosen: Sequence[_rules.Strategy]) -> dict[str, Spec]:
-    """Every op output's spec, and every reshard point with its target spec."""
+    """Every op output's spec, however small, and every reshard point with its target spec.
+
+    A constraint equal to what XLA would propagate costs nothing; leaving one out let XLA
+    re-slice a value the plan had gathered, which doubled a step's all-gathers, and
+    partition a scatter-add around batch-split indices the plan had gathered, which
+    all-reduced a whole table gradient."""
     out: dict[str, Spec] = {}
     for n in g.nodes:
         if n.kind != "op":
@@ -229,8 +222,7 @@ def _stats(enc: Encoding, req: SolverRequest, res: SolverResult, seconds: float)
     cg, graph = enc.cg, enc.cg.graph
     free = [i for i, s in enumerate(req.same_as) if s < 0]
     return {
-        "graph_nodes": len(graph.nodes), "graph_edges": graph.num_edges,
-        "graph_ops": sum(1 for n in graph.nodes if n.kind == "op"),
+        **{f"graph_{k}": v for k, v in graph.size().items()},
         "solver_nodes": len(req.node_names), "solver_edges": len(req.edges),
         "fanouts": len(req.fanouts), "free_nodes": len(free),
         "variables": int(sum(len(req.strategy_names[i]) for i in free
@@ -283,10 +275,11 @@ def search(closed_jaxpr, inputs: Sequence[InputInfo], mesh: DeviceMesh, *,
                   required=[(i.shape, s) for i, s in zip(inputs, warm_pins)])
     warm = None
     if warm_pins and all(s is not None for s in warm_pins):
+        scoring = SearchOptions(time_limit=time_limit, solver=solver)  # as plan_auto scores
+        limit, seeds_only = scoring.scoring()
         try:
-            warm = job.score(warm_pins, time_limit=min(time_limit, SearchOptions.score_time_limit),
-                             solver=solver)
-        except Exception:  # a hint only: an infeasible or unmappable hand plan is skipped
+            warm = job.score(warm_pins, time_limit=limit, solver=seeds_only)
+        except PlanError:  # a hint only: an infeasible or unmappable hand plan is skipped
             warm = None
     return job.search(memory_budget=memory_budget, time_limit=time_limit, solver=solver,
                       warm_start=warm)

@@ -103,8 +103,6 @@ class Op:
         )
 
 
-
-
 def inner_jaxpr(eqn) -> tuple[Any, Sequence[Any]] | None:
     """The (open jaxpr, consts) an inlinable equation runs, or None for any other equation."""
     for name in INLINE_PARAMS.get(eqn.primitive.name, ()):
@@ -212,6 +210,7 @@ class Graph:
         return array_bytes(self.value_shape(v), self.value_dtype(v))
 
     def size(self) -> dict[str, int]:
+        """How many nodes, op nodes and edges the graph has."""
         ops = sum(1 for n in self.nodes if n.kind == "op")
         return {"nodes": len(self.nodes), "ops": ops, "edges": self.num_edges}
 
