@@ -39,6 +39,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 from jax.extend import core as jcore
 
+from spmd.dtypes import storage_dtype
+
 
 # Primitive name -> the param holding the jaxpr to inline. Only primitives whose body runs
 # once, in place: the graph and the interpreter treat them as plain code.
@@ -91,7 +93,8 @@ class Op:
             return tuple(int(d) for d in getattr(v.aval, "shape", ()))
 
         def dtype(v: Any) -> Any:
-            return getattr(v.aval, "dtype", None)
+            raw = getattr(v.aval, "dtype", None)
+            return None if raw is None else storage_dtype(raw)
 
         return cls(
             primitive=eqn.primitive.name,
@@ -230,8 +233,8 @@ class Graph:
 def _aval(var) -> tuple[tuple[int, ...], Any]:
     aval = var.aval
     shape = tuple(int(d) for d in getattr(aval, "shape", ()))
-    dtype = getattr(aval, "dtype", np.dtype("float32"))
-    return shape, dtype
+    dtype = getattr(aval, "dtype", None)
+    return shape, np.dtype("float32") if dtype is None else storage_dtype(dtype)
 
 
 def build_graph(closed_jaxpr) -> Graph:
@@ -343,8 +346,8 @@ def _name_stack(eqn) -> str:
 
 @functools.lru_cache(maxsize=None)
 def array_bytes(shape: tuple[int, ...], dtype) -> int:
-    """Bytes of an array; 0 for values that are not numeric arrays (tokens, typed PRNG keys:
-    their dtype is not a numpy one)."""
+    """Bytes of an array; 0 for values that are not arrays (tokens). (Typed PRNG keys come
+    here as their ``storage_dtype``.)"""
     if dtype is None:
         return 0
     try:

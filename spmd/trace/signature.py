@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from spmd.dtypes import storage_dtype
 from spmd.errors import PlanError
 from spmd.sharding import Spec, from_partition_spec
 
@@ -173,14 +174,14 @@ class StepSignature:
                         "optimizer" if isinstance(var, nnx.optimizer.OptState) else "state")
                 logical = tuple(pspec) + (None,) * (np.ndim(value) - len(pspec)) if pspec else None
                 out.append(Leaf(f"{node_name}/{_keystr(path[1:])}", tuple(np.shape(value)),
-                                np.dtype(jax.numpy.result_type(value)), kind, logical))
+                                storage_dtype(jax.numpy.result_type(value)), kind, logical))
         param_names = self._param_names(args, logical_axes)
         for pos in self.tree_positions:
             for path, value in jax.tree_util.tree_flatten_with_path(args[pos])[0]:
                 keys = tuple(_keystr((k,)) for k in path)
                 shape = tuple(np.shape(value))
                 pretty = "/".join((names[pos],) + keys)
-                dtype = np.dtype(jax.numpy.result_type(value))
+                dtype = storage_dtype(jax.numpy.result_type(value))
                 if pos in self.batch_argnums:
                     logical = ("batch",) + (None,) * (len(shape) - 1) if shape else None
                     out.append(Leaf(pretty, shape, dtype, "batch", logical))
