@@ -14,23 +14,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["is_key", "storage_dtype"]
-
-
-def is_key(dtype: Any) -> bool:
-    """Is ``dtype`` one of JAX's extended dtypes (a typed PRNG key)?"""
-    import jax
-
-    try:
-        return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.extended))
-    except TypeError:
-        return False
+__all__ = ["storage_dtype"]
 
 
 @functools.lru_cache(maxsize=None)
 def storage_dtype(dtype: Any) -> np.dtype:
     """A numpy dtype of an element's size: ``dtype`` itself when numpy knows it; for a typed
-    key, an unsigned integer (or raw bytes) as wide as one key's data.
+    key (one of JAX's extended dtypes), an unsigned integer (or raw bytes) as wide as one
+    key's data.
 
     >>> import jax
     >>> storage_dtype(jax.random.key(0).dtype)
@@ -38,10 +29,10 @@ def storage_dtype(dtype: Any) -> np.dtype:
     >>> storage_dtype("bfloat16").itemsize
     2
     """
-    if not is_key(dtype):
-        return np.dtype(dtype)
     import jax
 
+    if not jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return np.dtype(dtype)
     data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), dtype))
     size = int(np.prod(data.shape, dtype=np.int64)) * np.dtype(data.dtype).itemsize
     return np.dtype({1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}.get(size, f"V{size}"))

@@ -47,9 +47,9 @@ def describe(plan: "Plan", max_rows: int | None = 60) -> str:
                                               if not isinstance(v, (dict, list))))
         timings, phases = plan.search.get("timings"), plan.search.get("phases")
         if timings:
-            console.print("planning seconds: " + ", ".join(f"{k} {v:.2f}" for k, v in timings.items())
-                          + (" (search: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items())
-                             + ")" if phases else ""))
+            seconds = lambda d: ", ".join(f"{k} {v:.2f}" for k, v in d.items())  # noqa: E731
+            console.print("planning seconds: " + seconds(timings)
+                          + (f" (search: {seconds(phases)})" if phases else ""))
         if plan.search.get("fallbacks"):
             console.print(f"replicated (no sharding rule): {plan.search['fallbacks']}")
     if plan.prediction or plan.alternatives:

@@ -109,7 +109,7 @@ def plan_auto(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions,
     scored_as: dict[tuple, str] = {}  # pins -> the hand-written plan first scored with them
     with timings.phase("baselines"):
         for name, specs in baselines.items():
-            pins = tuple(tuple(tuple(axes) for axes in spec) for spec in specs)
+            pins = tuple(specs)  # Specs are tuples: hashable as they are
             if pins in scored_as:  # e.g. tp and dp_tp where the data axis has size 1
                 scores[name] = scores[scored_as[pins]]
                 continue

@@ -91,6 +91,26 @@ def test_a_layer_range_on_a_submesh_compiles_as_predicted_and_repeats_from_the_c
         assert op.replica_groups is None or max(max(g) for g in op.replica_groups) < 4
 
 
+def test_a_region_reading_a_typed_key_keeps_it_a_key():
+    """A dropout key made in one layer and read in the next crosses the region's boundary
+    as the key it is (the graph prices it as 8 bytes of key data)."""
+    import jax.numpy as jnp
+
+    from spmd.trace.graph import build_graph
+
+    def step(x):
+        key = jax.random.fold_in(jax.random.key(0), 1)
+        return jnp.where(jax.random.bernoulli(key, 0.5, x.shape), x, 0.0).sum()
+
+    graph = build_graph(jax.make_jaxpr(step)(jnp.ones((4, 8))))
+    ops = [n.id for n in graph.nodes if n.kind == "op"]
+    region = Region(graph, ops[2:])  # after the key is made
+    keys = [v for v in region.inputs if graph.value_bytes(v) == 8 and not graph.value_shape(v)]
+    assert keys, "the key crosses the boundary"
+    program = region.program()
+    assert any(jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended) for a in program.in_avals)
+
+
 def test_a_region_cannot_cut_a_scan():
     _, graph = traced_zoo_step("gpt-tiny", scan_layers=True)
     scan = graph.scans[-1]

@@ -350,8 +350,4 @@ def array_bytes(shape: tuple[int, ...], dtype) -> int:
     here as their ``storage_dtype``.)"""
     if dtype is None:
         return 0
-    try:
-        itemsize = np.dtype(dtype).itemsize
-    except TypeError:
-        return 0
-    return int(np.prod(shape, dtype=np.int64)) * itemsize
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize

@@ -80,9 +80,14 @@ class Region:
                                      if v is not None and (v in read_outside or v in step_outputs)]
 
     def program(self):
-        """The region as a ClosedJaxpr: its inputs in, its outputs out."""
-        avals = [jax.ShapeDtypeStruct(self.graph.value_shape(v), self.graph.value_dtype(v))
-                 for v in self.inputs]
+        """The region as a ClosedJaxpr: its inputs in, its outputs out. Their types are those
+        of the equations that read them (the graph prices a typed key by its storage)."""
+        read: dict[Value, Any] = {}
+        for eqn, operands, _ in self.units:
+            for v, var in zip(operands, eqn.invars):
+                if v is not None:
+                    read.setdefault(v, var.aval)
+        avals = [jax.ShapeDtypeStruct(read[v].shape, read[v].dtype) for v in self.inputs]
         return jax.make_jaxpr(self._run)(*avals)
 
     def _run(self, *args):
