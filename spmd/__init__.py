@@ -8,6 +8,7 @@ report of what XLA emitted (``analyze``), and the options (``SearchOptions``,
 
 from spmd.analysis.report import analyze as analyze
 from spmd.api import ParallelStep as ParallelStep
+from spmd.api import eval_shape as eval_shape
 from spmd.api import materialize as materialize
 from spmd.api import parallelize as parallelize
 from spmd.api import plan as plan  # binds the function over the submodule spmd.plan
@@ -30,6 +31,6 @@ from spmd.search.predict import Prediction as Prediction
 __all__ = [
     "DeviceMesh", "InfeasibleError", "MeshError", "OptionsError", "ParallelStep", "Plan",
     "PlanError", "Prediction", "SearchOptions", "SolverOptions", "SpmdError", "analyze",
-    "init_distributed", "load_mesh", "make_mesh", "materialize", "parallelize", "plan",
+    "eval_shape", "init_distributed", "load_mesh", "make_mesh", "materialize", "parallelize", "plan",
     "process_local_batch", "shard_batch",
 ]

@@ -11,7 +11,8 @@ import jax
 from flax import nnx
 
 from spmd.cluster.mesh import DeviceMesh
-from spmd.errors import PlanError
+from spmd.errors import InfeasibleError, PlanError
+from spmd.logical import user_pins
 from spmd.manual import get_method, manual_specs
 from spmd.options import SearchOptions
 from spmd.plan import Plan
@@ -37,7 +38,7 @@ def _output_specs(sig: StepSignature, input_specs: Sequence[Spec]) -> list[Spec 
 
 
 def plan(step_fn: Callable, *example_args: Any, mesh: DeviceMesh, method: str = "auto",
-         logical_axes: Any = None, batch_argnums: Sequence[int] = (-1,),
+         logical_axes: Any = None, batch_argnums: Sequence[int] | None = None,
          options: SearchOptions | None = None) -> Plan:
     """Plan how to shard ``step_fn`` on ``mesh``. Arguments may be concrete or abstract
     (``jax.ShapeDtypeStruct`` leaves, ``nnx.eval_shape`` models).
@@ -60,12 +61,24 @@ def plan(step_fn: Callable, *example_args: Any, mesh: DeviceMesh, method: str = 
                                 batch_argnums=batch_argnums)
         if method == "auto":
             return plan_auto(sig, mesh, options or SearchOptions(), timings)
-        input_specs = manual_specs(sig.leaves, method, mesh)
+        pins = user_pins(sig.leaves, (options or SearchOptions()).logical_rules(), mesh)
+        input_specs = manual_specs(sig.leaves, method, mesh, pins)
         result = Plan(method=method, mesh=mesh, leaves=sig.leaves, input_specs=input_specs,
                       output_specs=_output_specs(sig, input_specs), signature=sig)
-        if options is not None and options.compare:  # scoring costs a solve: only when asked
+        # scoring costs a solve: only when asked, or when a memory budget must be checked
+        if options is not None and (options.compare or options.memory_budget is not None):
             result.prediction = score_manual(sig, mesh, method, options).prediction
+            _check_budget(result, options.memory_budget)
         return result
+
+
+def _check_budget(p: Plan, budget: float | None) -> None:
+    """A hand-written plan is not searched under the budget: it fits, or it is an error."""
+    if budget is not None and p.prediction.memory_bytes > budget:
+        raise InfeasibleError(
+            f"method {p.method!r} needs {p.prediction.memory_bytes / 2**30:.2f} GiB per device "
+            f"(predicted), over memory_budget={budget:.4g} bytes ({budget / 2**30:.2f} GiB); "
+            f"pick another method, or method='auto', which plans under the budget")
 
 
 @contextlib.contextmanager
@@ -99,7 +112,7 @@ class ParallelStep:
     """
 
     def __init__(self, step_fn: Callable, mesh: DeviceMesh, method: str = "auto", *,
-                 logical_axes: Any = None, batch_argnums: Sequence[int] = (-1,),
+                 logical_axes: Any = None, batch_argnums: Sequence[int] | None = None,
                  donate: bool | None = None, options: SearchOptions | None = None) -> None:
         self.step_fn = step_fn
         self.mesh = mesh
@@ -169,7 +182,7 @@ class ParallelStep:
 
 
 def parallelize(step_fn: Callable, *, mesh: DeviceMesh, method: str = "auto",
-                logical_axes: Any = None, batch_argnums: Sequence[int] = (-1,),
+                logical_axes: Any = None, batch_argnums: Sequence[int] | None = None,
                 donate: bool | None = None, options: SearchOptions | None = None
                 ) -> ParallelStep:
     """Wrap ``step_fn`` so each call runs sharded under a plan for ``mesh``.
@@ -182,6 +195,15 @@ def parallelize(step_fn: Callable, *, mesh: DeviceMesh, method: str = "auto",
                         batch_argnums=batch_argnums, donate=donate, options=options)
 
 
+def eval_shape(create_fn: Callable[[], Any]) -> Any:
+    """``nnx.eval_shape(create_fn)`` with Flax's eager sharding off: the abstract NNX nodes
+    (or pytrees) to plan with. Variables made with ``nnx.with_partitioning`` carry logical
+    names for the planner, not a request to place arrays on a mesh, which eager sharding
+    would make (and refuse without a mesh: "An auto mesh context or metadata is required")."""
+    with nnx.use_eager_sharding(False):
+        return nnx.eval_shape(create_fn)
+
+
 def materialize(create_fn: Callable[[], Any], p: Plan) -> Any:
     """Build the NNX graph nodes ``create_fn`` returns directly into the plan's shardings, so
     a model larger than one device is never whole on one device.
@@ -190,14 +212,15 @@ def materialize(create_fn: Callable[[], Any], p: Plan) -> Any:
     optimizer)``) and be a pure function of nothing but constants (seeded initializers).
     """
     sig = p.bound_signature()
-    abstract = nnx.eval_shape(create_fn)
+    abstract = eval_shape(create_fn)
     nodes = abstract if isinstance(abstract, tuple) else (abstract,)
     graphdef, abstract_state = nnx.split(nodes)
     flat_shardings = p.input_shardings_flat()[: sig.num_state_leaves]
     state_shardings = jax.tree.unflatten(jax.tree.structure(abstract_state), flat_shardings)
 
     def build():
-        made = create_fn()
+        with nnx.use_eager_sharding(False):
+            made = create_fn()
         return nnx.split(made if isinstance(made, tuple) else (made,))[1]
 
     state = jax.jit(build, out_shardings=state_shardings)()

@@ -71,10 +71,12 @@ def _resolve(axes: Sequence[str], mesh: DeviceMesh, method: str) -> tuple[str, .
     return tuple(a for a in out if mesh.shape[a] > 1)
 
 
-def leaf_spec(leaf: Leaf, method: ManualMethod, mesh: DeviceMesh) -> Spec:
-    """The spec a hand-written method gives one input leaf; indivisible dims are errors."""
-    if leaf.pinned is not None:
-        return leaf.pinned
+def leaf_spec(leaf: Leaf, method: ManualMethod, mesh: DeviceMesh, pin: Spec | None = None
+              ) -> Spec:
+    """The spec a hand-written method gives one input leaf (the user's pin, where there is
+    one: ``spmd.logical.user_pins``); indivisible dims are errors."""
+    if pin is not None:
+        return pin
     if leaf.kind == "batch":
         rules: Rules = {"batch": method.batch}
     elif leaf.kind == "param":
@@ -83,11 +85,7 @@ def leaf_spec(leaf: Leaf, method: ManualMethod, mesh: DeviceMesh) -> Spec:
         rules = method.optimizer if method.optimizer is not None else method.params
     else:
         return replicated(len(leaf.shape))
-    if not rules or not leaf.logical:
-        if leaf.kind == "param" and method.params and leaf.logical is None and leaf.shape:
-            raise PlanError(f"method {method.name!r} needs logical axis names but parameter "
-                            f"{leaf.path} (shape {leaf.shape}) has none; give them with "
-                            f"nnx.with_partitioning or logical_axes=")
+    if not rules or not leaf.logical:  # unnamed (a bias, a norm's scale): not split
         return replicated(len(leaf.shape))
     used: set[str] = set()
     spec: list[tuple[str, ...]] = []
@@ -96,32 +94,65 @@ def leaf_spec(leaf: Leaf, method: ManualMethod, mesh: DeviceMesh) -> Spec:
         axes = tuple(a for a in axes if a not in used)
         split = mesh.axis_size(axes)
         if axes and size % split:
+            hint = (" It was taken as the step's batch; if it is not, pass batch_argnums= with "
+                    "the position of the batch argument." if leaf.kind == "batch" else "")
             raise PlanError(
                 f"{leaf.path}: dimension {dim} ({name}, size {size}) is not divisible by mesh "
                 f"axes {axes} of total size {split} (sizes {[mesh.shape[a] for a in axes]}) "
-                f"under method {method.name!r}; pick a size divisible by {split} or another method")
+                f"under method {method.name!r}; pick a size divisible by {split} or another "
+                f"method.{hint}")
         used.update(axes)
         spec.append(axes)
     return tuple(spec)
 
 
-def manual_specs(leaves: Sequence[Leaf], method: str, mesh: DeviceMesh) -> list[Spec]:
-    """Specs of every input leaf under a hand-written method."""
+def manual_specs(leaves: Sequence[Leaf], method: str, mesh: DeviceMesh,
+                 pins: Sequence[Spec | None] | None = None) -> list[Spec]:
+    """Specs of every input leaf under a hand-written method, the user's pins kept."""
     chosen = get_method(method)
-    return [leaf_spec(leaf, chosen, mesh) for leaf in leaves]
+    pins = pins if pins is not None else [None] * len(leaves)
+    params = [l for l in leaves if l.kind == "param" and l.shape]
+    if chosen.params and params and not any(l.logical for l in params):
+        raise PlanError(f"method {method!r} needs logical axis names but no parameter has "
+                        f"any (e.g. {params[0].path}, shape {params[0].shape}); give them with "
+                        f"nnx.with_partitioning or logical_axes=")
+    return [leaf_spec(leaf, chosen, mesh, pin) for leaf, pin in zip(leaves, pins)]
 
 
-def applicable_methods(leaves: Sequence[Leaf], mesh: DeviceMesh) -> dict[str, str | None]:
-    """Each method, mapped to None when it applies or to the reason it does not."""
+def _shards_state(leaves: Sequence[Leaf], specs: Sequence[Spec],
+                  pins: Sequence[Spec | None]) -> bool:
+    """Whether a plan splits some parameter or optimizer state the user left free."""
+    return any(any(specs[i]) for i, leaf in enumerate(leaves)
+               if pins[i] is None and leaf.kind in ("param", "optimizer"))
+
+
+def applicable_methods(leaves: Sequence[Leaf], mesh: DeviceMesh,
+                       pins: Sequence[Spec | None] | None = None) -> dict[str, str | None]:
+    """Each method, mapped to None when it applies or to the reason it does not (among them:
+    one whose rules split no parameter or optimizer state of this model is no alternative
+    to plain data parallelism, and says so)."""
+    pins = pins if pins is not None else [None] * len(leaves)
     out: dict[str, str | None] = {}
-    has_experts = any(l.logical and "expert" in l.logical for l in leaves)
-    for name in METHODS:
+    names = sorted({n for l in leaves if l.logical and l.kind != "batch" for n in l.logical if n})
+    has_experts = "expert" in names
+    for name, method in METHODS.items():
         if name == "ep" and not has_experts:
             out[name] = "the model has no 'expert' dimension"
             continue
         try:
-            manual_specs(leaves, name, mesh)
-            out[name] = None
+            specs = manual_specs(leaves, name, mesh, pins)
         except PlanError as err:
             out[name] = str(err)
+            continue
+        wanted = set(method.params) | set(method.optimizer or ())
+        out[name] = None
+        if wanted and not _shards_state(leaves, specs, pins):
+            if not wanted & set(names):
+                why = f"the model's logical names are {names or 'none'}"
+            elif not method.params and not any(l.kind == "optimizer" for l in leaves):
+                why = "the step has no optimizer state"
+            else:
+                why = "the user's pins fix the arrays they name"
+            out[name] = (f"splits no parameter or optimizer state here, so it is data "
+                         f"parallelism: its rules name {sorted(wanted)}; {why}")
     return out

@@ -19,11 +19,11 @@ import dataclasses
 import math
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 from spmd.errors import OptionsError
 
-__all__ = ["CACHE_ENV", "SearchOptions", "SolverOptions"]
+__all__ = ["CACHE_ENV", "Rules", "SearchOptions", "SolverOptions", "normalize_rules"]
 
 CACHE_ENV = "SPMD_CACHE_DIR"
 
@@ -35,6 +35,50 @@ def _check(owner: str, name: str, value: Any, ok: bool, valid: str) -> None:
 
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+#: normalized rules: (logical name, mesh axes) pairs in the user's order
+Rules = tuple[tuple[str, tuple[str, ...]], ...]
+
+_FORMS = ("a mapping {name: axis | (axes...) | None}, or a sequence of (name, axis | "
+          "(axes...) | None) pairs as nnx.logical_axis_rules and MaxText write them")
+
+
+def _axes(value: Any, where: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, Iterable) and all(isinstance(a, str) for a in value):
+        return tuple(value)
+    raise OptionsError(f"SearchOptions.rules: {where} maps to {value!r}; a rule's mesh axes "
+                       f"are one axis name, a sequence of them, or None")
+
+
+def normalize_rules(rules: Any) -> Rules:
+    """The rules in their one ordered form (OptionsError naming the rule at fault).
+
+    >>> normalize_rules({"mlp": "model", "embed": None})
+    (('mlp', ('model',)), ('embed', ()))
+    >>> normalize_rules([["batch", ["data", "fsdp"]], ("heads", "tensor")])
+    (('batch', ('data', 'fsdp')), ('heads', ('tensor',)))
+    """
+    if rules is None:
+        return ()
+    if isinstance(rules, Mapping):
+        pairs = list(rules.items())
+    elif isinstance(rules, Iterable) and not isinstance(rules, (str, bytes)):
+        pairs = list(rules)
+    else:
+        raise OptionsError(f"SearchOptions.rules: got {rules!r}; valid: {_FORMS}")
+    out = []
+    for i, pair in enumerate(pairs):
+        if (not isinstance(pair, Sequence) or isinstance(pair, str) or len(pair) != 2
+                or not isinstance(pair[0], str)):
+            raise OptionsError(f"SearchOptions.rules: rule {i} is {pair!r}, not a (logical "
+                               f"name, mesh axes) pair; valid: {_FORMS}")
+        out.append((pair[0], _axes(pair[1], f"rule {i} ({pair[0]!r})")))
+    return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,8 +155,9 @@ class SearchOptions:
         fraction of the time (CP-SAT took ~3 s per plan on a 24-layer GPT, most of the
         comparison). On, with a ``score_time_limit`` of seconds, the comparison is
         accurate and slow; ``bench/auto_vs_manual.py`` judges auto that way.
-      rules: logical axis name -> mesh axes the user fixes (Flax-style logical rules);
-        parameters with a named dimension covered here are pinned, the rest is searched.
+      rules: logical axis rules the user fixes, in Flax's forms (``normalize_rules``):
+        every input with a dimension they name is pinned to what they give it, under auto
+        and every hand-written method alike; the rest is searched (or the method's).
       cache: reuse a saved plan for the same jaxpr, mesh and options.
       cache_dir: where plans are saved (default ``$SPMD_CACHE_DIR`` or ~/.cache/spmd/plans).
       solver: the integer program's options.
@@ -123,7 +168,7 @@ class SearchOptions:
     compare: bool = True
     score_time_limit: float = 0.5
     score_refine: bool = False
-    rules: Mapping[str, tuple[str, ...]] | None = None
+    rules: Any = None
     cache: bool = True
     cache_dir: str | None = None
     solver: SolverOptions = SolverOptions()
@@ -140,8 +185,7 @@ class SearchOptions:
         for name in ("compare", "cache", "score_refine"):
             _check(own, name, getattr(self, name), isinstance(getattr(self, name), bool),
                    "True or False")
-        _check(own, "rules", self.rules, self.rules is None or isinstance(self.rules, Mapping),
-               "a mapping of logical axis name to mesh axes, or None")
+        normalize_rules(self.rules)  # raises, naming the rule at fault
         _check(own, "solver", self.solver, isinstance(self.solver, SolverOptions),
                "a SolverOptions")
 
@@ -153,9 +197,12 @@ class SearchOptions:
     def plan_key(self) -> str:
         """Every option that can change a plan (not where or whether it is cached): a cached
         plan found under other options is not reused."""
-        rules = sorted((self.rules or {}).items())
         own = dataclasses.replace(self, rules=None, cache=True, cache_dir=None)
-        return repr(own) + repr(rules)
+        return repr(own) + repr(self.logical_rules())
+
+    def logical_rules(self) -> Rules:
+        """``rules`` in their one ordered form (``normalize_rules``)."""
+        return normalize_rules(self.rules)
 
     def scoring(self) -> tuple[float, SolverOptions]:
         """The time limit and solver options for scoring one hand-written plan."""

@@ -16,7 +16,8 @@ from typing import Any
 from spmd import cache
 from spmd.cluster.mesh import DeviceMesh
 from spmd.errors import PlanError, warn
-from spmd.manual import ManualMethod, applicable_methods, leaf_spec, manual_specs
+from spmd.logical import user_pins
+from spmd.manual import applicable_methods, manual_specs
 from spmd.options import SearchOptions
 from spmd.plan import Plan
 from spmd.search.intra_op import AutoResult, InputInfo, IntraOp, score_result
@@ -30,20 +31,10 @@ __all__ = ["plan_auto", "score_manual", "step_inputs"]
 
 def step_inputs(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions) -> list[InputInfo]:
     """One InputInfo per input leaf, pinned where the user fixed a spec (an explicit
-    PartitionSpec, or logical names covered by ``options.rules``)."""
-    pins_from_rules = None
-    if options.rules:
-        rules = {k: (v,) if isinstance(v, str) else tuple(v or ()) for k, v in options.rules.items()}
-        pins_from_rules = ManualMethod("rules", "user's logical rules", (), rules)
-    out = []
-    for leaf in sig.leaves:
-        pinned = leaf.pinned
-        if (pinned is None and pins_from_rules is not None and leaf.logical
-                and leaf.kind in ("param", "optimizer")
-                and any(n in pins_from_rules.params for n in leaf.logical if n)):
-            pinned = leaf_spec(leaf, pins_from_rules, mesh)
-        out.append(InputInfo(leaf.path, leaf.shape, leaf.dtype, leaf.kind, pinned))
-    return out
+    PartitionSpec of mesh axes, or logical names ``options.rules`` covers)."""
+    pins = user_pins(sig.leaves, options.logical_rules(), mesh)
+    return [InputInfo(leaf.path, leaf.shape, leaf.dtype, leaf.kind, pin)
+            for leaf, pin in zip(sig.leaves, pins)]
 
 
 def _warn_trivial_axes(mesh: DeviceMesh) -> None:
@@ -58,18 +49,19 @@ def _warn_trivial_axes(mesh: DeviceMesh) -> None:
              f"anything; it is ignored")
 
 
-def _baselines(sig: StepSignature, mesh: DeviceMesh,
-               options: SearchOptions) -> tuple[dict[str, list[Spec]], dict[str, str]]:
-    """The hand-written plans to score (their input specs), and why the others are not."""
+def _baselines(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions,
+               pins: list[Spec | None]) -> tuple[dict[str, list[Spec]], dict[str, str]]:
+    """The hand-written plans to score (their input specs, the user's pins kept), and why
+    the others are not."""
     specs: dict[str, list[Spec]] = {}
     skipped: dict[str, str] = {}
     if not options.compare or mesh.size == 1:
         return specs, skipped
-    for name, why_not in applicable_methods(sig.leaves, mesh).items():
+    for name, why_not in applicable_methods(sig.leaves, mesh, pins).items():
         if why_not:
             skipped[name] = f"does not apply: {why_not}"
         else:
-            specs[name] = manual_specs(sig.leaves, name, mesh)
+            specs[name] = manual_specs(sig.leaves, name, mesh, pins)
     return specs, skipped
 
 
@@ -78,8 +70,9 @@ def score_manual(sig: StepSignature, mesh: DeviceMesh, method: str, options: Sea
     """The cost model's view of one hand-written plan (intermediates chosen by the ILP), with
     the sharding constraints that compile it as scored."""
     limit, solver = options.scoring()
-    return score_result(sig.jaxpr, step_inputs(sig, mesh, options), mesh,
-                        manual_specs(sig.leaves, method, mesh),
+    inputs = step_inputs(sig, mesh, options)
+    return score_result(sig.jaxpr, inputs, mesh,
+                        manual_specs(sig.leaves, method, mesh, [i.pinned for i in inputs]),
                         output_aliases=sig.output_aliases, time_limit=limit, graph=graph,
                         solver=solver)
 
@@ -98,7 +91,7 @@ def plan_auto(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions,
         return cached
     with timings.phase("graph"):
         graph = build_graph(sig.jaxpr)  # one op graph for every scoring and the search
-    baselines, alternatives = _baselines(sig, mesh, options)
+    baselines, alternatives = _baselines(sig, mesh, options, [i.pinned for i in inputs])
     with timings.phase("cost_graph"):
         job = IntraOp(graph, inputs, mesh, output_aliases=sig.output_aliases,
                       required=[(i.shape, s) for specs in baselines.values()

@@ -90,8 +90,13 @@ def test_plain_jax_state_keeps_sharding_and_matches_one_device(mesh):
 
 
 def test_missing_logical_names_are_named(mesh):
+    """No names at all: the method cannot apply, and says what to give. Some names (kernels
+    annotated, not the rest, as Flax examples write them): the unnamed stay whole."""
     params = _params()
-    with pytest.raises(spmd.PlanError, match="parameter params/w2 .* has none"):
-        spmd.plan(_step, params, optax.sgd(0.1).init(params),
-                  {"x": jnp.ones((B, D)), "y": jnp.ones((B, D))}, mesh=mesh, method="tp",
+    args = (params, optax.sgd(0.1).init(params), {"x": jnp.ones((B, D)), "y": jnp.ones((B, D))})
+    with pytest.raises(spmd.PlanError, match="needs logical axis names but no parameter has any"):
+        spmd.plan(_step, *args, mesh=mesh, method="tp", logical_axes={"w1": None, "w2": None})
+    p = spmd.plan(_step, *args, mesh=mesh, method="tp",
                   logical_axes={"w1": ("embed", "mlp"), "w2": None})
+    specs = {leaf.path: spec for leaf, spec in zip(p.leaves, p.input_specs)}
+    assert specs["params/w1"] == ((), ("model",)) and specs["params/w2"] == ((), ())

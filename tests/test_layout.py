@@ -21,7 +21,7 @@ LAYERS = [
     {"spmd.memory.liveness"},
     {"spmd.search.costgraph", "spmd.search.encode", "spmd.search.predict",
      "spmd.search.intra_op", "spmd.search.regions"},
-    {"spmd.plan", "spmd.explain", "spmd.manual"},
+    {"spmd.plan", "spmd.explain", "spmd.logical", "spmd.manual"},
     {"spmd.planner", "spmd.cache"},
     {"spmd.runtime.constrain", "spmd.runtime.compile"},
     {"spmd.analysis.hlo", "spmd.analysis.report", "spmd.data"},

@@ -14,7 +14,7 @@ from spmd.options import SearchOptions, SolverOptions
     ({"memory_budget": -1.0}, r"SearchOptions.memory_budget must be > 0 \(bytes per device\)"),
     ({"score_time_limit": -2}, r"SearchOptions.score_time_limit must be > 0"),
     ({"compare": "yes"}, r"SearchOptions.compare must be True or False, got 'yes'"),
-    ({"rules": ["mlp"]}, r"SearchOptions.rules must be a mapping"),
+    ({"rules": ["mlp"]}, r"SearchOptions.rules: rule 0 is .mlp., not a \(logical name, mesh axes\) pair"),
     ({"solver": {"gap": 0.1}}, r"SearchOptions.solver must be a SolverOptions"),
 ])
 def test_search_options_name_the_bad_field(kwargs, match):

@@ -64,9 +64,55 @@ def test_batch_argnums_and_mismatched_logical_axes_are_named():
     args = _pure_args()
     sig = StepSignature(_pure_step, args, batch_argnums=(2,))
     assert {leaf.kind for leaf in sig.leaves if leaf.path.startswith("batch")} == {"batch"}
-    with pytest.raises(PlanError, match="names 1 dimensions but the array has shape"):
-        StepSignature(_pure_step, args, logical_axes={"w": ("embed",)})
+    short = StepSignature(_pure_step, args, logical_axes={"w": ("embed",)})
+    assert {l.path: l.logical for l in short.leaves}["params/w"] == ("embed", None)
+    with pytest.raises(PlanError, match="names 3 dimensions but the array has shape"):
+        StepSignature(_pure_step, args, logical_axes={"w": ("embed", "mlp", "x")})
     with pytest.raises(PlanError, match="does not match the structure of any argument"):
         StepSignature(_pure_step, args, logical_axes={"v": ("embed", "mlp")})
     with pytest.raises(PlanError, match="structure differs"):
         sig.flatten_args(({"w": jnp.ones((8, 4)), "b": jnp.ones(4)}, args[1], args[2]))
+
+
+def _state_step(state, batch, rng):
+    """A functional TrainState-style step: (state, batch, key) -> (state, loss)."""
+    params, opt_state = state["params"], state["opt_state"]
+    tx = optax.adam(1e-3)
+    noise = jax.random.normal(rng, batch["x"].shape)
+    loss, grads = jax.value_and_grad(
+        lambda p: jnp.mean(((batch["x"] + noise) @ p["w"]) ** 2))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return {"params": optax.apply_updates(params, updates), "opt_state": opt_state,
+            "step": state["step"] + 1}, loss
+
+
+def _state_args():
+    params = {"w": jnp.ones((8, 4))}
+    state = {"params": params, "opt_state": optax.adam(1e-3).init(params), "step": jnp.int32(0)}
+    return state, {"x": jnp.ones((2, 8))}, jax.random.PRNGKey(0)
+
+
+@pytest.mark.parametrize("names", [
+    {"w": ("embed", "mlp")},  # the params only
+    {"w": jax.sharding.PartitionSpec("embed", "mlp")},  # as nn.get_partition_spec gives them
+    {"w": ("embed",)},  # short: the rest not split
+])
+def test_functional_state_finds_params_optimizer_and_batch(names):
+    """The params are a subtree of the state argument; Adam's moments follow their parameter;
+    the batch is found by what it is (a trailing legacy key of leading size 2 is not it, even
+    though the batch's leading size is 2 too)."""
+    sig = StepSignature(_state_step, _state_args(), logical_axes=names)
+    kinds = {l.path: l.kind for l in sig.leaves}
+    assert kinds["state/params/w"] == "param"
+    assert kinds["state/step"] == "state" and kinds["rng"] == "state"
+    assert kinds["batch/x"] == "batch"
+    moments = [l for l in sig.leaves if l.kind == "optimizer"]
+    assert len(moments) == 2 and all(l.logical[0] == "embed" for l in moments)
+    assert sig.batch_argnums == {1}
+
+
+def test_no_batch_found_is_a_warning_naming_batch_argnums():
+    with pytest.warns(UserWarning, match="batch_argnums="):
+        sig = StepSignature(lambda p, step: p["a"].sum() * p["b"] * step,
+                            ({"a": jnp.ones((4, 4)), "b": jnp.ones(3)}, jnp.float32(2)))
+    assert sig.batch_argnums == set()

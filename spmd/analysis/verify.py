@@ -23,12 +23,14 @@ Criteria:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Any, Callable, Mapping, Sequence
 
 from spmd.analysis.report import analyze
 from spmd.api import plan
+from spmd.logical import user_pins
 from spmd.manual import applicable_methods, manual_specs
 from spmd.options import SearchOptions
 from spmd.plan import Plan
@@ -64,7 +66,7 @@ def memory_bytes(entry: Mapping[str, Any]) -> int | None:
 
 
 def compare(step_fn: Callable, *args: Any, mesh, options: SearchOptions | None = None,
-            logical_axes: Any = None, batch_argnums: Sequence[int] = (-1,),
+            logical_axes: Any = None, batch_argnums: Sequence[int] | None = None,
             auto: Plan | None = None) -> dict[str, Any]:
     """Plan ``step_fn`` with ``method="auto"`` (or take ``auto``, its plan for these
     arguments), compile it and every applicable hand-written plan from ``args`` (abstract or
@@ -77,9 +79,11 @@ def compare(step_fn: Callable, *args: Any, mesh, options: SearchOptions | None =
     reads the criteria off it.
     """
     kwargs = dict(logical_axes=logical_axes, batch_argnums=batch_argnums)
+    options = options or SearchOptions()
     if auto is None:
-        auto = plan(step_fn, *args, mesh=mesh, method="auto", options=options or SearchOptions(),
-                    **kwargs)
+        auto = plan(step_fn, *args, mesh=mesh, method="auto", options=options, **kwargs)
+    pins = user_pins(auto.leaves, options.logical_rules(), mesh)
+    manual_options = dataclasses.replace(options, compare=False)  # the user's rules, no scoring
     out: dict[str, Any] = {
         "plan_s": sum((auto.search or {}).get("timings", {}).values()),
         "prediction": auto.prediction.to_dict(), "search": auto.search,
@@ -92,18 +96,18 @@ def compare(step_fn: Callable, *args: Any, mesh, options: SearchOptions | None =
     out["auto_hlo"] = analyze(prepare(auto).compile()).record(mesh)
     out["auto_compile_s"] = time.perf_counter() - start
     manual: dict[str, Any] = {}
-    for method, why_not in applicable_methods(auto.leaves, mesh).items():
+    for method, why_not in applicable_methods(auto.leaves, mesh, pins).items():
         if why_not:
             manual[method] = {"applicable": False, "reason": why_not}
             continue
         # A plan whose every input stays whole on every device (e.g. tp on 8x1: the model
         # axis has size 1) runs the whole step on each device: no collectives, no speed-up.
-        specs = manual_specs(auto.leaves, method, mesh)
+        specs = manual_specs(auto.leaves, method, mesh, pins)
         splits = any(mesh.axis_size(tuple(axes)) > 1 for spec in specs for axes in spec if axes)
         try:
             start = time.perf_counter()
             report = analyze(prepare(plan(step_fn, *args, mesh=mesh, method=method,
-                                          **kwargs)).compile())
+                                          options=manual_options, **kwargs)).compile())
             manual[method] = {"applicable": True, "splits": splits,
                               "compile_s": time.perf_counter() - start, **report.record(mesh)}
         except Exception as err:  # noqa: BLE001 - recorded, the other plans still compile

@@ -19,8 +19,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from spmd.dtypes import storage_dtype
-from spmd.errors import PlanError
-from spmd.sharding import Spec, from_partition_spec
+from spmd.errors import PlanError, warn
 
 KINDS = ("param", "optimizer", "batch", "state")
 Logical = tuple  # tuple[str | None, ...]: one logical name (or None) per dimension
@@ -35,7 +34,9 @@ class Leaf:
     dtype: np.dtype
     kind: str
     logical: Logical | None = None  # logical axis names, one per dim
-    pinned: Spec | None = None  # a spec the user fixed (explicit PartitionSpec)
+    #: a PartitionSpec the user gave in ``logical_axes``: of mesh axes (a pin) or of logical
+    #: names (then also in ``logical``); which, only the mesh can tell (``spmd.logical``)
+    partition_spec: PartitionSpec | None = None
 
     @property
     def nbytes(self) -> int:
@@ -79,10 +80,6 @@ def flatten_step_args(args: Sequence[Any]) -> tuple[list[Any], Any]:
     return jax.tree.flatten((nnx.state(nodes) if nodes else None, trees))
 
 
-def _is_logical_leaf(x: Any) -> bool:
-    return x is None or isinstance(x, (tuple, PartitionSpec))
-
-
 class StepSignature:
     """The flat, pure form of one train step for one set of argument shapes.
 
@@ -91,13 +88,15 @@ class StepSignature:
     """
 
     def __init__(self, step_fn: Callable, args: Sequence[Any], *,
-                 logical_axes: Any = None, batch_argnums: Sequence[int] = (-1,)) -> None:
+                 logical_axes: Any = None, batch_argnums: Sequence[int] | None = None) -> None:
         self.step_fn = step_fn
         self.num_args = len(args)
         names = _arg_names(step_fn, len(args))
-        self.batch_argnums = {i % len(args) for i in batch_argnums} if args else set()
         self.node_positions = [i for i, a in enumerate(args) if _is_node(a)]
         self.tree_positions = [i for i in range(len(args)) if i not in self.node_positions]
+        given = {i % len(args) for i in batch_argnums} if args and batch_argnums is not None else None
+        params = _find_params(args, self.tree_positions, logical_axes, given or set())
+        self.batch_argnums = given if given is not None else self._find_batch(args, names, params)
         if self.node_positions:
             self.graphdef, state = nnx.split(tuple(args[i] for i in self.node_positions))
         else:
@@ -106,7 +105,7 @@ class StepSignature:
         leaves, self.in_treedef = jax.tree.flatten((state, trees))
         self.in_avals = [_aval(x) for x in leaves]
         self.num_state_leaves = len(jax.tree.leaves(state))
-        self.leaves = self._classify(args, names, state, logical_axes)
+        self.leaves = self._classify(args, names, state, params)
         self._out_treedef = None
         # One trace gives both the output shapes and the jaxpr the planner searches over.
         self.jaxpr, shapes = jax.make_jaxpr(self.flat_fn, return_shape=True)(*self.in_avals)
@@ -159,7 +158,7 @@ class StepSignature:
         return jax.tree.unflatten(self._out_treedef, flat)
 
     # -- classification -----------------------------------------------------------------------
-    def _classify(self, args, names, state, logical_axes) -> list[Leaf]:
+    def _classify(self, args, names, state, params: "_Params | None") -> list[Leaf]:
         out: list[Leaf] = []
         if self.graphdef is not None:
             variables = jax.tree_util.tree_flatten_with_path(
@@ -175,7 +174,6 @@ class StepSignature:
                 logical = tuple(pspec) + (None,) * (np.ndim(value) - len(pspec)) if pspec else None
                 out.append(Leaf(f"{node_name}/{_keystr(path[1:])}", tuple(np.shape(value)),
                                 storage_dtype(jax.numpy.result_type(value)), kind, logical))
-        param_names = self._param_names(args, logical_axes)
         for pos in self.tree_positions:
             for path, value in jax.tree_util.tree_flatten_with_path(args[pos])[0]:
                 keys = tuple(_keystr((k,)) for k in path)
@@ -186,44 +184,25 @@ class StepSignature:
                     logical = ("batch",) + (None,) * (len(shape) - 1) if shape else None
                     out.append(Leaf(pretty, shape, dtype, "batch", logical))
                     continue
-                match = _match_param(keys, shape, param_names, pos)
+                match = params.match(pos, keys, shape) if params is not None else None
                 if match is None:
                     out.append(Leaf(pretty, shape, dtype, "state", None))
                     continue
-                is_param, names_or_spec = match
-                kind = "param" if is_param else "optimizer"
-                if isinstance(names_or_spec, PartitionSpec):
-                    out.append(Leaf(pretty, shape, dtype, kind, None,
-                                    from_partition_spec(names_or_spec, len(shape))))
-                else:
-                    out.append(Leaf(pretty, shape, dtype, kind, names_or_spec))
+                kind, (logical, pspec) = match
+                out.append(Leaf(pretty, shape, dtype, kind, logical, pspec))
         return out
 
-    def _param_names(self, args, logical_axes) -> dict | None:
-        """Map params-relative key paths to (shape, logical names); find the params argument."""
-        if logical_axes is None:
-            return None
-        ltree, ldef = jax.tree.flatten(logical_axes, is_leaf=_is_logical_leaf)
-        for pos in self.tree_positions:
-            if pos in self.batch_argnums:
-                continue
-            if jax.tree.structure(args[pos]) == ldef:
-                entries = {}
-                for (path, value), names in zip(
-                        jax.tree_util.tree_flatten_with_path(args[pos])[0], ltree):
-                    keys = tuple(_keystr((k,)) for k in path)
-                    shape = tuple(np.shape(value))
-                    if names is not None and not isinstance(names, PartitionSpec):
-                        names = tuple(names)
-                        if len(names) != len(shape):
-                            raise PlanError(
-                                f"logical_axes for parameter {'/'.join(keys)}: {names} names "
-                                f"{len(names)} dimensions but the array has shape {shape}")
-                    entries[keys] = (shape, names)
-                return {"position": pos, "entries": entries}
-        raise PlanError(
-            "logical_axes does not match the structure of any argument; it must be a pytree of "
-            "tuples of logical names (or PartitionSpecs) with the same structure as the parameters")
+    def _find_batch(self, args, names: list[str], params: "_Params | None") -> set[int]:
+        """The batch found by what it is: the last plain argument (not the parameters) whose
+        arrays all share one leading dimension, keys excluded (a trailing ``rng``)."""
+        for pos in reversed(self.tree_positions):
+            if (params is None or pos != params.position) and _looks_like_batch(args[pos]):
+                return {pos}
+        if self.tree_positions:
+            warn(f"found no batch among the step's arguments {[names[i] for i in self.tree_positions]}"
+                 f" (an argument whose arrays share one leading dimension); it is planned "
+                 f"without one. Pass batch_argnums= with the batch's position")
+        return set()
 
     def _aliases(self) -> dict[int, int]:
         """Outputs that are the new value of an input (NNX state; or pure-JAX outputs whose
@@ -259,17 +238,103 @@ class StepSignature:
         return aliases
 
 
-def _match_param(keys: tuple[str, ...], shape: tuple[int, ...], param_names: dict | None,
-                 pos: int):
-    """(is_param, names) when the leaf is a parameter or an optimizer state that mirrors one:
-    its path ends with a parameter's path and the shapes agree."""
-    if param_names is None:
+def _looks_like_batch(tree: Any) -> bool:
+    leaves = jax.tree.leaves(tree)
+    leading = set()
+    for x in leaves:
+        dtype = jax.numpy.result_type(x)
+        if (np.ndim(x) == 0 or jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+                or (dtype == np.uint32 and np.shape(x)[-1:] == (2,))):  # a key, typed or legacy
+            return False
+        leading.add(np.shape(x)[0])
+    return len(leading) == 1
+
+
+def _is_names(x: Any) -> bool:
+    """A ``logical_axes`` entry for one array: None, a PartitionSpec, or a tuple of names."""
+    return x is None or isinstance(x, PartitionSpec) or (
+        isinstance(x, (tuple, list)) and all(n is None or isinstance(n, str) for n in x))
+
+
+def _logical_entry(names: Any, path: str, shape: tuple[int, ...]
+                   ) -> tuple[Logical | None, PartitionSpec | None]:
+    """One array's logical names, padded to its rank (the rest not split), and the
+    PartitionSpec they were given as (a PartitionSpec naming nothing names nothing)."""
+    if names is None:
+        return None, None
+    entries = tuple(names)
+    if len(entries) > len(shape):
+        raise PlanError(f"logical_axes for {path}: {names} names {len(entries)} dimensions but "
+                        f"the array has shape {shape}; give at most {len(shape)} (the rest are "
+                        f"not split)")
+    pad = (None,) * (len(shape) - len(entries))
+    if not isinstance(names, PartitionSpec):
+        return entries + pad, None
+    if all(e is None for e in entries):
+        return None, None
+    return tuple(e if isinstance(e, str) else None for e in entries) + pad, names
+
+
+def _subtrees(tree: Any, depth: int = 3):
+    """(key path, subtree) of ``tree`` and its nodes, outermost first (where params live:
+    an argument itself, or a field of it such as a TrainState's ``params``)."""
+    level = [((), tree)]
+    for _ in range(depth + 1):
+        nxt = []
+        for keys, sub in level:
+            yield keys, sub
+            if sub is None or jax.tree_util.treedef_is_leaf(jax.tree.structure(sub)):
+                continue
+            children = jax.tree_util.tree_flatten_with_path(sub, is_leaf=lambda y: y is not sub)[0]
+            nxt.extend((keys + tuple(_keystr((k,)) for k in path), child)
+                       for path, child in children)
+        level = nxt
+
+
+@dataclasses.dataclass(frozen=True)
+class _Params:
+    """Where the parameters are (an argument, or a subtree of it at ``prefix``) and each one's
+    logical names, keyed by its path below ``prefix``."""
+
+    position: int
+    prefix: tuple[str, ...]
+    entries: dict[tuple[str, ...], tuple[tuple[int, ...], tuple]]
+
+    def match(self, pos: int, keys: tuple[str, ...], shape: tuple[int, ...]):
+        """(kind, (logical, partition spec)) for a parameter, or for optimizer state that
+        mirrors one (its path ends with the parameter's path, same shape); else None."""
+        n = len(self.prefix)
+        if pos == self.position and keys[:n] == self.prefix and keys[n:] in self.entries:
+            return "param", self.entries[keys[n:]][1]
+        for start in range(len(keys)):
+            found = self.entries.get(keys[start:])
+            if found is not None and found[0] == shape:
+                return "optimizer", found[1]
         return None
-    entries = param_names["entries"]
-    if pos == param_names["position"] and keys in entries:
-        return True, entries[keys][1]
-    for start in range(len(keys)):
-        suffix = keys[start:]
-        if suffix in entries and entries[suffix][0] == shape:
-            return False, entries[suffix][1]
-    return None
+
+
+def _find_params(args: Sequence[Any], positions: Sequence[int], logical_axes: Any,
+                 batch: set[int]) -> _Params | None:
+    """The argument, or subtree of one, that ``logical_axes`` annotates."""
+    if logical_axes is None:
+        return None
+    for pos in positions:
+        if pos in batch:
+            continue
+        for prefix, sub in _subtrees(args[pos]):
+            try:
+                pieces = jax.tree.structure(sub).flatten_up_to(logical_axes)
+            except (ValueError, TypeError):
+                continue
+            if not all(_is_names(p) for p in pieces):
+                continue
+            entries = {}
+            for (path, value), names in zip(jax.tree_util.tree_flatten_with_path(sub)[0], pieces):
+                keys = tuple(_keystr((k,)) for k in path)
+                shape = tuple(np.shape(value))
+                entries[keys] = (shape, _logical_entry(names, "/".join(prefix + keys), shape))
+            return _Params(pos, prefix, entries)
+    raise PlanError(
+        "logical_axes does not match the structure of any argument or part of one; it must be "
+        "a pytree shaped like the parameters (e.g. a TrainState's params), with a tuple of "
+        "logical names, a PartitionSpec or None for each array")
