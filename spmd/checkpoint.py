@@ -32,8 +32,10 @@ __all__ = ["is_checkpoint", "restore", "save"]
 
 
 def _manager(directory: Path, create: bool) -> ocp.CheckpointManager:
-    """One checkpoint kept per directory; ``create=False`` leaves the disk untouched."""
-    options = ocp.CheckpointManagerOptions(max_to_keep=1, create=create)
+    """One checkpoint kept per directory. Saving (``create=True``) first deletes what an
+    interrupted save left; ``create=False`` leaves the disk untouched."""
+    options = ocp.CheckpointManagerOptions(max_to_keep=1, create=create,
+                                           cleanup_tmp_directories=create)
     return ocp.CheckpointManager(directory, options=options,
                                  item_handlers=ocp.StandardCheckpointHandler())
 
@@ -107,8 +109,8 @@ def _check_matches(directory: Path, stored: dict[str, Any], names: list[str],
     more = f" ({len(wrong) - 1} more tensors differ)" if len(wrong) > 1 else ""
     raise CheckpointError(
         f"{directory}: the checkpoint does not match the state create_fn builds: tensor "
-        f"{name} is {show(saved.get(name))} in the checkpoint, {show(wanted.get(name))} in "
-        f"the model{more}; restore it with the create_fn of the model it was saved from")
+        f"{name} is {show(saved.get(name))} in the checkpoint, {show(wanted.get(name))} from "
+        f"create_fn{more}; restore it with the create_fn of the model it was saved from")
 
 
 def restore(directory: str | os.PathLike, create_fn: Callable[[], Any], plan: Plan) -> Any:

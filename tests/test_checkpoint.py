@@ -96,8 +96,10 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_tensor(tmp_path):
     _, other_plan = _step_and_plan("dp_tp", _mesh(1, 8), other)
     with pytest.raises(spmd.CheckpointError,
                        match=r"tensor 0/layers/0/bias is \(256,\) float32 in the checkpoint, "
-                             r"\(2048,\) float32 in the model \(23 more tensors differ\)"):
+                             r"\(2048,\) float32 from create_fn \(23 more tensors differ\)"):
         spmd.restore_checkpoint(tmp_path / "ck", other.training_state, other_plan)
+    with pytest.raises(spmd.PlanError, match="pass the plan of this step"):
+        spmd.restore_checkpoint(tmp_path / "ck", create, other_plan)  # the plan of another model
     assert _listing(tmp_path / "ck") == before
 
 
