@@ -61,6 +61,8 @@ def run(
     seed: int = typer.Option(0, help="initialization and data seed"),
     describe: bool = typer.Option(False, help="list every tensor in the plan table"),
     output_json: Optional[Path] = typer.Option(None, help="write losses and the report here"),
+    checkpoint: Optional[Path] = typer.Option(None, help="resume from this directory if it "
+                                              "holds a checkpoint; save there at the end"),
 ) -> None:
     """Train a zoo model for a few steps under a plan; report losses, speed and the HLO."""
     import spmd
@@ -83,7 +85,11 @@ def run(
     options = spmd.SearchOptions(time_limit=time_limit, memory_budget=memory_budget)
     step = spmd.parallelize(spec.train_step, mesh=device_mesh, method=method, options=options)
     plan = step.plan_for(abstract_model, abstract_opt, batch)
-    net, opt = spmd.materialize(create, plan)
+    if checkpoint is not None and spmd.is_checkpoint(checkpoint):  # under this run's plan
+        net, opt = spmd.restore_checkpoint(checkpoint, create, plan)
+        _say(f"resumed from {checkpoint} (optimizer step {int(opt.step[...])})")
+    else:
+        net, opt = spmd.materialize(create, plan)
     # Each process reads only its rows, as a real input pipeline would.
     local_batch = spmd.shard_batch(plan, spmd.process_local_batch(plan, batch))
     compiled = step.compile(net, opt, local_batch)  # the executable the steps below run
@@ -104,6 +110,9 @@ def run(
             losses.append(loss)
             progress.update(task, advance=1, description=f"step {i + 1} loss {loss:.4f}")
             progress.console.print(f"step {i + 1:4d}  loss {loss:.6f}  {times[-1] * 1e3:8.1f} ms")
+    if checkpoint is not None:
+        spmd.save_checkpoint(checkpoint, net, opt)  # replaces the one resumed from once written
+        _say(f"saved {checkpoint}")
     steady = times[1:] or times
     step_time = float(np.median(steady))
     per_second = spec.items_per_batch(size) / step_time

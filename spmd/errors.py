@@ -31,6 +31,11 @@ class OptionsError(SpmdError):
     """An option holds a value outside its valid range (the message names the field)."""
 
 
+class CheckpointError(SpmdError):
+    """A checkpoint directory holds none, or one whose tensors do not match the model (the
+    message names the first tensor and both shapes)."""
+
+
 def warn(message: str, category: type[Warning] = UserWarning) -> None:
     """Warn at the user's line: the innermost frame outside spmd, however deep the call
     (``spmd.plan``, a ``ParallelStep`` call), so the location printed and ``-W`` filters

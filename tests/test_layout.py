@@ -26,6 +26,7 @@ LAYERS = [
     {"spmd.runtime.constrain", "spmd.runtime.compile"},
     {"spmd.analysis.hlo", "spmd.analysis.report", "spmd.data"},
     {"spmd.api"},
+    {"spmd.checkpoint"},  # a step's state on disk, restored into any plan's shardings
     {"spmd.analysis.verify"},
     {"spmd.cli", "spmd"},
 ]
