@@ -24,6 +24,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from spmd.api import eval_shape
 from spmd.errors import CheckpointError, PlanError
 from spmd.plan import Plan
 from spmd.trace.signature import flatten_step_args
@@ -122,7 +123,7 @@ def restore(directory: str | os.PathLike, create_fn: Callable[[], Any], plan: Pl
     names, shapes or dtypes differ from ``create_fn``'s; nothing is written either way.
     """
     path = _absolute(directory)
-    abstract = nnx.eval_shape(create_fn)
+    abstract = eval_shape(create_fn)
     state = abstract if isinstance(abstract, tuple) else (abstract,)
     names, leaves, treedef = _named_leaves(state)
     shardings = plan.input_shardings_flat()[: len(leaves)]
