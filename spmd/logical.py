@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec
 
 from spmd.cluster.mesh import DeviceMesh
 from spmd.errors import PlanError, warn
+from spmd.manual import vocabulary
 from spmd.options import Rules
 from spmd.sharding import Spec, format_spec, from_partition_spec
 from spmd.trace.signature import Leaf
@@ -102,4 +103,17 @@ def user_pins(leaves: Sequence[Leaf], rules: Rules, mesh: DeviceMesh) -> list[Sp
         if not any(rule in names for rule, _ in rules):
             warn(f"the logical axis rules map {sorted({r for r, _ in rules})}, none of the "
                  f"model's logical names {names}; nothing is pinned by them")
+    _warn_unknown_spec_names(leaves, rules, mesh)
     return [user_pin(leaf, rules, mesh) for leaf in leaves]
+
+
+def _warn_unknown_spec_names(leaves: Sequence[Leaf], rules: Rules, mesh: DeviceMesh) -> None:
+    """PartitionSpec names that no one knows (not a mesh axis, no rule's, no hand-written
+    method's) are read as logical names that split nothing: likely a mistyped mesh axis."""
+    known = set(mesh.axis_names) | {r for r, _ in rules} | vocabulary()
+    unknown = sorted({n for leaf in leaves if leaf.partition_spec is not None
+                      for n in leaf.logical or () if n and n not in known})
+    if unknown:
+        warn(f"logical_axes name {unknown}: not axes of mesh {mesh.name!r} (axes "
+             f"{list(mesh.axis_names)}) nor names any rule maps, so they split nothing; give "
+             f"mesh axes, or SearchOptions(rules=...) for them")

@@ -52,6 +52,12 @@ METHODS: dict[str, ManualMethod] = {m.name: m for m in (
 )}
 
 
+def vocabulary() -> set[str]:
+    """Every logical name some hand-written method's rules map."""
+    return {name for m in METHODS.values()
+            for name in (*m.params, *(m.optimizer or ()), "batch")}
+
+
 def get_method(name: str) -> ManualMethod:
     if name not in METHODS:
         raise PlanError(f"unknown method {name!r}; valid methods: auto, {', '.join(METHODS)}")
