@@ -24,27 +24,14 @@ def describe(plan: "Plan", max_rows: int | None = 60) -> str:
     buf = io.StringIO()
     console = Console(file=buf, width=120, record=False, force_terminal=False)
     console.print(f"plan: method={plan.method}  {plan.mesh.describe()}")
-    table = Table(title="inputs", show_lines=False)
-    for col in ("tensor", "kind", "shape", "logical", "spec", "bytes/device"):
-        table.add_column(col, justify="right" if col == "bytes/device" else "left")
-    rows = list(zip(plan.leaves, plan.input_specs))
-    shown = rows if max_rows is None else rows[:max_rows]
-    for leaf, spec in shown:
-        logical = ",".join(n or "-" for n in leaf.logical) if leaf.logical else ""
-        table.add_row(leaf.path, leaf.kind, str(leaf.shape), logical, format_spec(spec),
-                      f"{bytes_per_device(leaf.shape, leaf.dtype, spec, plan.mesh.shape):,}")
-    if len(rows) > len(shown):
-        table.add_row(f"... {len(rows) - len(shown)} more", "", "", "", "", "")
-    console.print(table)
+    console.print(_inputs_table(plan, max_rows))
     totals = plan.bytes_by_kind()
     console.print("state per device: " + ", ".join(f"{k} {v / 2**20:.2f} MiB"
                                                     for k, v in sorted(totals.items())))
     if plan.search:
-        summary = solver_summary(plan.search)
+        summary = solver_summary(plan.search)  # the raw counters stay in the plan's JSON
         if summary:
             console.print(summary)
-        console.print("search: " + ", ".join(f"{k}={v}" for k, v in plan.search.items()
-                                              if not isinstance(v, (dict, list))))
         timings, phases = plan.search.get("timings"), plan.search.get("phases")
         if timings:
             seconds = lambda d: ", ".join(f"{k} {v:.2f}" for k, v in d.items())  # noqa: E731
@@ -71,6 +58,35 @@ def describe(plan: "Plan", max_rows: int | None = 60) -> str:
     return buf.getvalue()
 
 
+#: the input groups, in the order shown; the batch first, so it is never cut off
+GROUPS = (("batch", "batch"), ("param", "parameters"), ("optimizer", "optimizer state"),
+          ("state", "other state"))
+
+
+def _inputs_table(plan: "Plan", max_rows: int | None):
+    """The inputs grouped by kind: the batch whole, then at most ``max_rows`` rows shared by
+    the other groups (each at least a few), each cut group saying how many it leaves out."""
+    from rich.table import Table
+
+    table = Table(title="inputs", show_lines=False)
+    for col in ("tensor", "kind", "shape", "logical", "spec", "bytes/device"):
+        table.add_column(col, justify="right" if col == "bytes/device" else "left")
+    rows = list(zip(plan.leaves, plan.input_specs))
+    groups = [(title, [r for r in rows if r[0].kind == kind]) for kind, title in GROUPS]
+    groups = [(title, members) for title, members in groups if members]
+    share = None if max_rows is None else max(3, max_rows // max(1, len(groups) - 1))
+    for title, members in groups:
+        shown = members if share is None or title == "batch" else members[:share]
+        for leaf, spec in shown:
+            logical = ",".join(n or "-" for n in leaf.logical) if leaf.logical else ""
+            table.add_row(leaf.path, leaf.kind, str(leaf.shape), logical, format_spec(spec),
+                          f"{bytes_per_device(leaf.shape, leaf.dtype, spec, plan.mesh.shape):,}")
+        if len(members) > len(shown):
+            table.add_row(f"... {len(members) - len(shown)} more {title}", "", "", "", "", "")
+        table.add_section()
+    return table
+
+
 def solver_summary(search: dict) -> str | None:
     """How good the search's plan is: the objective against the proven lower bound."""
     s = search or {}
@@ -82,9 +98,11 @@ def solver_summary(search: dict) -> str | None:
            else "; stopped early, no better plan coming" if s.get("stalled") else "")
     kept = (f"; the hand-written plan {s['kept_hand_written']} scored better and is used"
             if s.get("kept_hand_written") else "")
-    return (f"solver: {s.get('status')} in {s.get('search_seconds', 0):.2f} s, objective "
-            f"{objective * 1e3:.4g} ms, lower bound {bound * 1e3:.4g} ms "
-            f"({s.get('bound_from', 'cp-sat')}): within {gap:.2%} of optimal{how}{kept}")
+    size = (f"; {s['graph_ops']:,} ops, {s['solver_nodes']:,} choices after merging"
+            if s.get("graph_ops") is not None and s.get("solver_nodes") is not None else "")
+    return (f"search: {s.get('status')} in {s.get('search_seconds', 0):.2f} s, "
+            f"{objective * 1e3:.4g} ms per step predicted, within {gap:.2%} of the lower bound "
+            f"{bound * 1e3:.4g} ms ({s.get('bound_from', 'cp-sat')}){size}{how}{kept}")
 
 
 def _prediction_table(plan: "Plan"):

@@ -114,9 +114,10 @@ def test_auto_plan_explains_itself():
     plan.attach_measured(spmd.analyze(compiled))
     text = plan.describe()
     for needle in ("predicted cost per step", "auto (this plan)", "dp", "predicted vs compiled",
-                   "params/w1", "communication priced by the cost model", "lower bound",
-                   "of optimal"):
+                   "params/w1", "communication priced by the cost model", "of the lower bound",
+                   "batch/x"):
         assert needle in text
+    assert "graph_nodes=" not in text  # the raw counters stay in the JSON
     assert plan.search["bound"] <= plan.search["objective"]
     # The compiled program's collectives, priced by the same model, cost what was predicted
     # (here one gradient all-reduce: nothing for XLA to combine).
@@ -192,3 +193,18 @@ def test_planning_hides_the_old_heap_from_the_collector_and_restores_it():
         assert gc.get_freeze_count() >= frozen
     finally:
         gc.unfreeze()
+
+
+def test_describe_shows_the_batch_past_many_parameters():
+    """Inputs are grouped (batch, parameters, optimizer state, other state); with 80
+    parameters and the default 60 rows the batch's spec is still shown."""
+    params = {f"w{i:02d}": jnp.ones((8, 8)) for i in range(80)}
+
+    def step(params, batch):
+        return jax.tree.map(lambda w: w - 0.1 * (batch["x"] @ w).mean(), params)
+
+    mesh = spmd.make_mesh({"data": 8}, virtual=True)
+    plan = spmd.plan(step, params, {"x": jnp.ones((16, 8))}, mesh=mesh, method="dp")
+    text = plan.describe()
+    assert "batch/x" in text and "P(data, -)" in text
+    assert "more parameters" in text and "params/w00" in text
