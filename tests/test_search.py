@@ -207,4 +207,4 @@ def test_describe_shows_the_batch_past_many_parameters():
     plan = spmd.plan(step, params, {"x": jnp.ones((16, 8))}, mesh=mesh, method="dp")
     text = plan.describe()
     assert "batch/x" in text and "P(data, -)" in text
-    assert "more parameters" in text and "params/w00" in text
+    assert "more other state" in text and "params/w00" in text  # no names: not "param"
