@@ -59,9 +59,8 @@ def test_a_key_argument_gives_the_single_device_step(mesh, method, make_key):
         np.testing.assert_allclose(got[0][name], want[0][name], rtol=1e-5, atol=1e-7)
     assert np.array_equal(jax.random.key_data(got[1]) if make_key is jax.random.key else got[1],
                           jax.random.key_data(want[1]) if make_key is jax.random.key else want[1])
-    # the random ops XLA cannot be told to split here are replicated, and the plan says so
-    if method == "auto":
-        assert any(f.startswith("random_bits") for f in step.plan.search["fallbacks"])
+    if method == "auto":  # random bits and key operations have rules: none is a fallback
+        assert not any(f.startswith("random") for f in step.plan.search["fallbacks"])
 
 
 @pytest.mark.parametrize("method", ["dp", "auto"])
@@ -108,3 +107,28 @@ def test_nnx_dropout_state_advances_as_on_one_device(mesh, method):
     got = [float(step(model, optimizer, BATCH)["loss"]) for _ in range(3)]
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert len(set(got)) == 3
+
+
+def test_dropout_bits_are_made_split_at_realistic_size():
+    """A 4096 x 32768 dropout mask (512 MiB) under a batch split: with partitionable threefry
+    each of 8 devices makes its eighth of the bits; with sequential bits it could only be
+    made whole on every device, 448 MiB more per device."""
+    mesh = spmd.make_mesh({"data": 8}, virtual=True, device="a100-80gb")
+    params = {"w1": jax.ShapeDtypeStruct((4096, 32768), jnp.float32),
+              "w2": jax.ShapeDtypeStruct((32768, 4096), jnp.float32)}
+    batch = {"x": jax.ShapeDtypeStruct((4096, 4096), jnp.float32)}
+    options = spmd.SearchOptions(cache=False)
+
+    def memory():
+        plan = spmd.plan(seeded_step, params, batch, mesh=mesh, method="dp", options=options)
+        return plan.prediction.memory_bytes
+
+    split = memory()
+    previous = jax.config.jax_threefry_partitionable
+    jax.config.update("jax_threefry_partitionable", False)
+    try:
+        whole = memory()
+    finally:
+        jax.config.update("jax_threefry_partitionable", previous)
+    mask = 4096 * 32768 * 4
+    assert whole - split >= 0.8 * mask, (whole / 2**20, split / 2**20)

@@ -3,7 +3,8 @@
 One module per primitive family fills :data:`REGISTRY` on import: ``dot_general``,
 ``elementwise``, ``broadcast`` (broadcast_in_dim, reshape, squeeze, transpose), ``reduce``,
 ``indexing`` (gather, scatter-add, slices, pad, concatenate, sort, ...), ``conv`` and
-``window`` (pooling), ``loop`` (a scan's boundary pseudo-ops). Ops with nested jaxprs
+``window`` (pooling), ``loop`` (a scan's boundary pseudo-ops), ``random`` (random bits and
+key operations). Ops with nested jaxprs
 (pjit, custom_jvp_call, ...) have no rule: the graph builder inlines them (a scan's body is
 planned once), and :func:`strategies` answers a replicated fallback for the rest (while,
 cond).
@@ -34,7 +35,7 @@ from spmd.rules._core import (
 )
 from spmd.trace.graph import Op as Op
 from spmd.rules import (  # noqa: F401  (imported for their registrations)
-    broadcast, conv, dot_general, elementwise, indexing, loop, reduce, window,
+    broadcast, conv, dot_general, elementwise, indexing, loop, random, reduce, window,
 )
 
 __all__ = [
