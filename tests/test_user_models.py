@@ -53,7 +53,10 @@ def _nnx_run(create, step_fn, batch, mesh, method, options):
     return losses, nnx.state(nodes[0]), plan
 
 
-@pytest.mark.parametrize("method", ["auto", "fsdp", "dp_tp"])
+ALL = ["auto", "dp", "zero", "fsdp", "tp", "dp_tp", "fsdp_tp"]  # ep: no experts here
+
+
+@pytest.mark.parametrize("method", ALL)
 def test_nnx_lm_with_dropout_matches_one_device(mesh, method):
     batch = ex.lm_batch()
     want_losses, want_state = _nnx_reference(ex.nnx_lm_state, ex.nnx_lm_step, batch)
@@ -61,9 +64,10 @@ def test_nnx_lm_with_dropout_matches_one_device(mesh, method):
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     _close(state, want_state, "parameter")
     assert len(set(losses)) == STEPS  # dropout masks and updates move on each step
-    if method != "auto":
-        assert any(any(spec) for leaf, spec in zip(plan.leaves, plan.input_specs)
-                   if leaf.kind == "param")
+    split = {leaf.kind for leaf, spec in zip(plan.leaves, plan.input_specs) if any(spec)}
+    assert "batch" in split or method == "tp"
+    if method not in ("auto", "dp"):  # the method's rules reach the model's own names
+        assert "optimizer" in split and ("param" in split) == (method != "zero")
 
 
 @pytest.mark.parametrize("method", ["auto", "dp"])
@@ -104,7 +108,7 @@ def test_nnx_lm_gradients_match_one_device(mesh):
     _close(grads, want_grads, "gradient", atol=1e-7)
 
 
-@pytest.mark.parametrize("method", ["auto", "zero", "tp", "fsdp_tp"])
+@pytest.mark.parametrize("method", ALL)
 def test_linen_train_state_step_matches_one_device(mesh, method):
     """A functional step ``(TrainState, batch, key) -> (TrainState, metrics)``; logical_axes
     are the PartitionSpecs of logical names ``nn.get_partition_spec`` gives, for the params
