@@ -152,7 +152,7 @@ def write_report(path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--mesh", default="meshes/h200-1.yaml")
+    parser.add_argument("--mesh", default="h200-1", help="bundled mesh name or mesh file")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--models", default=None, help="comma list of model:dtype:batch")
     parser.add_argument("--out", type=Path, default=None)

@@ -20,7 +20,7 @@ from spmd.options import SearchOptions
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="spmd: searched sharding plans for JAX/Flax training steps.")
 
-DEFAULT_MESH = "meshes/cpu-8.yaml"
+DEFAULT_MESH = "cpu-8"  # a bundled mesh: spmd/meshes/cpu-8.yaml
 DEFAULT_MODEL = "gpt-tiny"
 #: the search's defaults, one place (``spmd.options``)
 DEFAULT_TIME_LIMIT = SearchOptions.time_limit
@@ -51,7 +51,8 @@ def _say(message: str) -> None:
 @app.command()
 def run(
     model: str = typer.Option(DEFAULT_MODEL, help="model name (see `spmd models`)"),
-    mesh: Path = typer.Option(Path(DEFAULT_MESH), help="mesh file (see `spmd meshes`)"),
+    mesh: str = typer.Option(DEFAULT_MESH, help="bundled mesh name (see `spmd meshes`) or "
+                             "a mesh file"),
     method: str = typer.Option("auto", help="auto (searched), or dp, zero, fsdp, tp, dp_tp, "
                                "fsdp_tp, ep"),
     time_limit: float = typer.Option(DEFAULT_TIME_LIMIT, help="seconds the sharding search may take"),
@@ -121,7 +122,8 @@ def run(
 @app.command("plan")
 def plan_cmd(
     model: str = typer.Option(DEFAULT_MODEL, help="model name (see `spmd models`)"),
-    mesh: Path = typer.Option(Path(DEFAULT_MESH), help="mesh file; planned as a virtual mesh"),
+    mesh: str = typer.Option(DEFAULT_MESH, help="bundled mesh name or a mesh file; planned as "
+                             "a virtual mesh"),
     method: str = typer.Option("auto", help="plan to show: auto or a hand-written one"),
     batch_size: Optional[int] = typer.Option(None, help="global batch size (model default)"),
     time_limit: float = typer.Option(DEFAULT_TIME_LIMIT, help="seconds the sharding search may take"),
@@ -152,8 +154,8 @@ def plan_cmd(
 @app.command()
 def compare(
     model: str = typer.Option(DEFAULT_MODEL, help="model name (see `spmd models`)"),
-    mesh: Path = typer.Option(Path(DEFAULT_MESH), help="mesh file; compiled on as many "
-                              "simulated CPU devices"),
+    mesh: str = typer.Option(DEFAULT_MESH, help="bundled mesh name or a mesh file; compiled "
+                             "on as many simulated CPU devices"),
     batch_size: Optional[int] = typer.Option(None, help="global batch size (model default)"),
     time_limit: float = typer.Option(DEFAULT_TIME_LIMIT, help="seconds the sharding search may take"),
     output_json: Optional[Path] = typer.Option(None, help="write the comparison here"),
@@ -205,15 +207,20 @@ def models() -> None:
 
 
 @app.command()
-def meshes(directory: Path = typer.Option(Path("meshes"), help="folder of mesh files")) -> None:
-    """List the mesh files in a folder."""
+def meshes(directory: Optional[Path] = typer.Option(
+        None, help="also list the mesh files (*.yaml) in this folder")) -> None:
+    """List the bundled meshes (use them by name: --mesh cpu-8), and your own in a folder."""
     import spmd
+    from spmd.cluster.mesh import bundled_meshes
 
-    files = sorted(directory.glob("*.yaml"))
-    if not files:
-        _fail(f"no mesh files (*.yaml) in {directory}")
-    for path in files:
-        typer.echo(f"{path}: {spmd.load_mesh(path, virtual=True).describe()}")
+    for name, path in bundled_meshes().items():
+        typer.echo(f"{name}: {spmd.load_mesh(path, virtual=True).describe()}")
+    if directory is not None:
+        files = sorted(directory.glob("*.yaml"))
+        if not files:
+            _fail(f"--directory {directory}: no mesh files (*.yaml) there")
+        for path in files:
+            typer.echo(f"{path}: {spmd.load_mesh(path, virtual=True).describe()}")
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -224,7 +231,7 @@ def launch(
 ) -> None:
     """Start N local processes of a command, joined by jax.distributed (testing multi-host).
 
-    Example: spmd launch -n 2 -- spmd run --mesh meshes/cpu-2x4.yaml
+    Example: spmd launch -n 2 -- spmd run --mesh cpu-2x4
     """
     from spmd.cluster.distributed import launch_local
 

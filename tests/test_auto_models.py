@@ -50,7 +50,7 @@ def test_zero_plan_is_scored():
     from spmd.manual import manual_specs
 
     sig = StepSignature(spec.train_step, (am, ao, spec.batch(spec.default_batch_size, 0)))
-    mesh = spmd.load_mesh("meshes/cpu-8.yaml")
+    mesh = spmd.load_mesh("cpu-8")
     res = score_manual(sig, mesh, "zero", SearchOptions(time_limit=2.0))
     specs = dict(zip((leaf.path for leaf in sig.leaves), manual_specs(sig.leaves, "zero", mesh)))
     params = [leaf for leaf in sig.leaves if leaf.kind == "param"]

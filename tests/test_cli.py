@@ -17,10 +17,12 @@ def _run(capsys, *argv):
 @pytest.mark.parametrize("argv, message", [
     (["run", "--model", "gpt-huge"], "unknown model 'gpt-huge'"),
     (["run", "--method", "magic", "--steps", "1"], "unknown method 'magic'; valid methods"),
-    (["run", "--mesh", "does/not/exist.yaml"], "does/not/exist.yaml: cannot read mesh file"),
+    (["run", "--mesh", "does/not/exist.yaml"], "does/not/exist.yaml: no such mesh file"),
+    (["plan", "--mesh", "cpu-9"], "cpu-9: no such mesh file, nor a bundled mesh name; "
+                                  "bundled: a100-2x8,"),
     (["run", "--method", "tp", "--batch-size", "12", "--model", "mlp-tiny", "--steps", "1"],
      None),
-    (["plan", "--model", "gpt-125m", "--mesh", "meshes/a100-2x8.yaml", "--method", "tp"],
+    (["plan", "--model", "gpt-125m", "--mesh", "a100-2x8", "--method", "tp"],
      "attn/bk: dimension 0 \\(heads, size 12\\) is not divisible by mesh axes \\(.model.,\\)"),
     (["launch", "-n", "2"], "give the command to launch"),
 ])
@@ -63,7 +65,16 @@ def test_models_and_meshes_list(capsys):
     code, out, _ = _run(capsys, "models")
     assert code == 0 and "gpt-13b" in out and "wresnet-tiny" in out
     code, out, _ = _run(capsys, "meshes")
-    assert code == 0 and "a100-2x8" in out
+    assert code == 0 and "a100-2x8: virtual mesh a100-2x8: 16 x a100-40gb" in out
+
+
+def test_meshes_lists_a_folder_of_ones_own(capsys, tmp_path):
+    (tmp_path / "mine.yaml").write_text("device: cpu\nplatform: cpu\naxes: {data: 4}\n"
+                                        "links: {intra_host: {bandwidth: 1e9, latency: 0}}\n")
+    code, out, _ = _run(capsys, "meshes", "--directory", str(tmp_path))
+    assert code == 0 and "cpu-8: " in out and f"{tmp_path / 'mine.yaml'}: virtual mesh mine" in out
+    code, _, err = _run(capsys, "meshes", "--directory", str(tmp_path / "empty"))
+    assert code == 2 and "no mesh files (*.yaml) there" in err
 
 
 def test_plan_for_a_cluster_that_is_not_here(capsys, tmp_path):
@@ -72,11 +83,11 @@ def test_plan_for_a_cluster_that_is_not_here(capsys, tmp_path):
     from spmd.plan import Plan
 
     saved = tmp_path / "plan.json"
-    code, out, err = _run(capsys, "plan", "--model", "gpt-125m", "--mesh", "meshes/a100-8x8.yaml",
+    code, out, err = _run(capsys, "plan", "--model", "gpt-125m", "--mesh", "a100-8x8",
                           "--method", "fsdp", "--batch-size", "64", "--save", str(saved))
     assert code == 0, err
     assert "virtual mesh a100-8x8: 64 x a100-40gb" in out
-    plan = Plan.load(saved, spmd.load_mesh("meshes/a100-8x8.yaml", virtual=True))
+    plan = Plan.load(saved, spmd.load_mesh("a100-8x8", virtual=True))
     specs = {leaf.path: spec for leaf, spec in zip(plan.leaves, plan.input_specs)}
     assert specs["model/blocks/0/mlp/wi"] == (("data", "model"), ())
 

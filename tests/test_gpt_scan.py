@@ -86,7 +86,7 @@ def test_layers_initialize_independently():
 
 @pytest.fixture(scope="module")
 def mesh() -> spmd.DeviceMesh:
-    return spmd.load_mesh("meshes/cpu-8.yaml")
+    return spmd.load_mesh("cpu-8")
 
 
 def _create(spec: models.ModelSpec) -> tuple[nnx.Module, nnx.Optimizer]:

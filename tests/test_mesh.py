@@ -1,25 +1,42 @@
 """Mesh files, programmatic meshes and their error messages."""
 
-from pathlib import Path
-
 import pytest
 
 import spmd
+from spmd.cluster.mesh import bundled_meshes
 from spmd.errors import MeshError
 
-MESHES = sorted(Path(__file__).parent.parent.joinpath("meshes").glob("*.yaml"))
 
-
-@pytest.mark.parametrize("path", MESHES, ids=lambda p: p.stem)
-def test_every_shipped_mesh_loads(path):
-    mesh = spmd.load_mesh(path, virtual=True)
+@pytest.mark.parametrize("name", bundled_meshes())
+def test_every_shipped_mesh_loads(name):
+    mesh = spmd.load_mesh(name, virtual=True)
     assert mesh.size == mesh.hosts * (mesh.size // mesh.hosts)
     assert set(mesh.links) == set(mesh.axis_names)
     assert mesh.device.memory_bytes > 0
 
 
+def test_bundled_meshes_load_by_name_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert spmd.load_mesh("cpu-8.yaml", virtual=True).name == "cpu-8"
+    assert {"cpu-8", "cpu-2x4", "a100-2x8", "a100-8x8"} <= set(bundled_meshes())
+
+
+def test_a_file_of_the_same_name_wins_over_the_bundled_one(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a100-8.yaml").write_text(GOOD + "name: mine\n")
+    assert spmd.load_mesh("a100-8.yaml", virtual=True).name == "mine"
+    assert spmd.load_mesh("a100-8", virtual=True).name == "a100-8"  # no such file: bundled
+
+
+@pytest.mark.parametrize("given", ["cpu-9", "no/such/cpu-8.yaml"])
+def test_unknown_mesh_names_what_was_given_and_the_bundled_names(given):
+    with pytest.raises(MeshError, match=f"{given}: no such mesh file, nor a bundled mesh "
+                                        "name; bundled: a100-2x8, .*cpu-8"):
+        spmd.load_mesh(given)
+
+
 def test_inner_axes_get_the_fast_link():
-    mesh = spmd.load_mesh("meshes/a100-2x8.yaml", virtual=True)
+    mesh = spmd.load_mesh("a100-2x8", virtual=True)
     assert mesh.shape == {"data": 2, "model": 8}
     assert mesh.links["model"].bandwidth == 300e9  # NVLink inside a host
     assert mesh.links["data"].bandwidth == 25e9  # InfiniBand between hosts
@@ -29,7 +46,7 @@ def test_inner_axes_get_the_fast_link():
 def test_cpu_mesh_gives_jax_mesh_with_auto_axes():
     from jax.sharding import AxisType
 
-    mesh = spmd.load_mesh("meshes/cpu-8.yaml")
+    mesh = spmd.load_mesh("cpu-8")
     jm = mesh.jax_mesh()
     assert dict(jm.shape) == {"data": 2, "model": 4}
     assert all(t == AxisType.Auto for t in jm.axis_types)
@@ -88,8 +105,8 @@ def test_size_mismatch_names_both_numbers(tmp_path):
 
 
 def test_gpu_mesh_on_cpu_box_is_refused_unless_virtual():
-    mesh = spmd.load_mesh("meshes/a100-8.yaml", virtual=False)
+    mesh = spmd.load_mesh("a100-8", virtual=False)
     with pytest.raises(MeshError, match="needs 8 gpu devices .* sees 0 gpu"):
         mesh.jax_mesh()
-    virtual = spmd.load_mesh("meshes/a100-8.yaml", virtual=True)
+    virtual = spmd.load_mesh("a100-8", virtual=True)
     assert virtual.jax_mesh().devices.size == 8  # compile-only checks on simulated devices

@@ -14,7 +14,7 @@ TINY = ["gpt-tiny", "mlp-tiny", "moe-tiny", "wresnet-tiny"]
 
 @pytest.fixture(scope="module")
 def mesh():
-    return spmd.load_mesh("meshes/cpu-8.yaml")
+    return spmd.load_mesh("cpu-8")
 
 
 def _value_and_grad(spec):

@@ -5,6 +5,8 @@ A mesh file (YAML) describes a cluster: hosts, devices per host, the link inside
 the link it actually crosses, so the fastest links serve the innermost axes. A mesh may be
 *virtual*: a description of a cluster that is not present, used for planning and for
 compile-only checks on as many simulated CPU devices.
+
+The mesh files shipped with spmd (``spmd/meshes/*.yaml``) load by name: ``load_mesh("cpu-8")``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from spmd.errors import MeshError
 from spmd.cluster.hardware import DeviceSpec, device_spec
 
 PLATFORMS = ("cpu", "gpu")
+#: the mesh files shipped inside the package, loaded by name (``cpu-8``, ``a100-2x8``)
+BUNDLED_DIR = Path(__file__).resolve().parent.parent / "meshes"
 _TOP_KEYS = {
     "name", "device", "platform", "hosts", "devices_per_host", "links", "axes", "virtual",
     "distributed",
@@ -237,12 +241,43 @@ def _axis_links(names: tuple[str, ...], sizes: tuple[int, ...], devices_per_host
     return links
 
 
+def bundled_meshes() -> dict[str, Path]:
+    """The mesh files shipped with spmd, by name (the file's stem), sorted.
+
+    >>> "cpu-8" in bundled_meshes()
+    True
+    """
+    return {p.stem: p for p in sorted(BUNDLED_DIR.glob("*.yaml"))}
+
+
+def mesh_file(name_or_path: str | os.PathLike) -> Path:
+    """The file a mesh argument names: an existing path, else a bundled mesh's name (with or
+    without ``.yaml``), so ``--mesh cpu-8`` works from any directory.
+
+    Raises:
+      MeshError: neither a file nor a bundled name; the message lists the bundled names.
+    """
+    path = Path(name_or_path)
+    if path.exists():
+        return path
+    bundled = bundled_meshes()
+    name = path.name.removesuffix(".yaml")
+    if path.parent == Path(".") and name in bundled:
+        return bundled[name]
+    raise MeshError(f"{name_or_path}: no such mesh file, nor a bundled mesh name; bundled: "
+                    f"{', '.join(bundled)} (see `spmd meshes`)")
+
+
 def load_mesh(path: str | os.PathLike, virtual: bool | None = None) -> DeviceMesh:
-    """Read a mesh file. ``virtual`` overrides the file's own ``virtual:`` key.
+    """Read a mesh file, or a bundled mesh by name (``"cpu-8"``, ``"a100-2x8"``; see
+    ``bundled_meshes``). ``virtual`` overrides the file's own ``virtual:`` key.
 
     A CPU mesh sets the simulated device count itself, when jax's backend has not started yet.
+
+    >>> load_mesh("a100-2x8", virtual=True).shape
+    {'data': 2, 'model': 8}
     """
-    path = Path(path)
+    path = mesh_file(path)
     where = str(path)
     try:
         text = path.read_text()
