@@ -104,10 +104,10 @@ def _build_mesh(name: str):
 
 
 def _get_model(name: str):
-    import models
+    from spmd import zoo
 
     base, overrides, batch = MODELS[name]
-    spec = models.get(base)
+    spec = zoo.get(base)
     if overrides:
         spec = spec.with_config(**overrides)
     return spec, batch or spec.default_batch_size, overrides

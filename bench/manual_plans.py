@@ -71,12 +71,12 @@ class Initial:
 
 def get_model(name: str):
     """(ModelSpec, batch size, config overrides) for a zoo name or one of BENCH_MODELS."""
-    import models
+    from spmd import zoo
 
     if name in BENCH_MODELS:
         base, overrides, batch = BENCH_MODELS[name]
-        return models.get(base).with_config(**overrides), batch, overrides
-    spec = models.get(name)
+        return zoo.get(base).with_config(**overrides), batch, overrides
+    spec = zoo.get(name)
     return spec, spec.default_batch_size, {}
 
 

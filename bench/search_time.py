@@ -59,11 +59,11 @@ def run_case(layers: int, time_limit: float | None, compare: bool, wide: bool) -
     import jax
     from flax import nnx
 
-    import models
+    from spmd import zoo
     import spmd
 
     mesh = spmd.load_mesh(COMPARE_MESH if wide else MESH, virtual=True)
-    base = models.get("gpt-tiny")
+    base = zoo.get("gpt-tiny")
     spec = base.with_config(**COMPARE_WIDTH) if wide else base.with_config(num_layers=layers)
     batch_size = COMPARE_BATCH if wide else spec.default_batch_size
 
@@ -293,9 +293,9 @@ def main(argv: list[str] | None = None) -> int:
             {"layers": args.worker}, args.result)
 
     depths = sorted(int(x) for x in args.layers.split(",") if x.strip())
-    import models
+    from spmd import zoo
 
-    tiny = models.get("gpt-tiny")
+    tiny = zoo.get("gpt-tiny")
     start = time.perf_counter()
     data: dict[str, Any] = {
         "command": common.command_line(argv=None if argv is None

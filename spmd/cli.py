@@ -32,11 +32,11 @@ def _fail(message: str) -> None:
 
 
 def _model(name: str):
-    import models
+    from spmd import zoo
 
     try:
-        return models.get(name)
-    except models.UnknownModelError as err:
+        return zoo.get(name)
+    except zoo.UnknownModelError as err:
         _fail(str(err))
 
 
@@ -192,7 +192,7 @@ def jax_abstract(make_batch, size: int):
 @app.command()
 def models() -> None:
     """List the model zoo."""
-    import models as zoo
+    from spmd import zoo
     from rich.console import Console
     from rich.table import Table
 

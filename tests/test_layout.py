@@ -27,6 +27,7 @@ LAYERS = [
     {"spmd.analysis.hlo", "spmd.analysis.report", "spmd.data"},
     {"spmd.api"},
     {"spmd.analysis.verify"},
+    {"spmd.zoo"},  # the repository's models/ folder: Flax models, importing no spmd layer
     {"spmd.cli", "spmd"},
 ]
 
