@@ -17,7 +17,7 @@ import typer
 from spmd.errors import SpmdError
 from spmd.options import SearchOptions
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False,
                   help="spmd: searched sharding plans for JAX/Flax training steps.")
 
 DEFAULT_MESH = "cpu-8"  # a bundled mesh: spmd/meshes/cpu-8.yaml
@@ -26,8 +26,12 @@ DEFAULT_MODEL = "gpt-tiny"
 DEFAULT_TIME_LIMIT = SearchOptions.time_limit
 
 
-def _fail(message: str) -> None:
+def _error(message: str) -> None:
     typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
+
+
+def _fail(message: str) -> None:
+    _error(message)
     raise typer.Exit(code=2)
 
 
@@ -242,23 +246,24 @@ def launch(
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    """Console entry point: user errors become one line on stderr, exit status 2."""
+    """Console entry point. User errors, spmd's and the command line's own (an unknown option
+    or command, a bad value), become one line on stderr and exit status 2; no arguments show
+    the help."""
+    args = sys.argv[1:] if argv is None else list(argv)
     try:
-        code = app(args=argv, standalone_mode=False)  # click returns Exit's code here
+        code = app(args=args or ["--help"], prog_name="spmd", standalone_mode=False)
     except SpmdError as err:
-        typer.secho(f"error: {err}", err=True, fg=typer.colors.RED)
+        _error(str(err))
         sys.exit(2)
     except typer.Exit as done:
         sys.exit(done.exit_code)
-    except Exception as err:  # click's usage errors
-        import click
-
-        if isinstance(err, click.exceptions.ClickException):
-            err.show()
-            sys.exit(err.exit_code)
-        if isinstance(err, click.exceptions.Abort):
-            sys.exit(1)
-        raise
+    except typer.Abort:
+        sys.exit(1)
+    except typer.TyperException as err:  # usage errors (exit_code 2), raised unprinted here
+        ctx = getattr(err, "ctx", None)
+        hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+        _error(f"{err.format_message().rstrip('.')}{hint}")
+        sys.exit(err.exit_code)
     sys.exit(code or 0)
 
 

@@ -1,10 +1,17 @@
 """The command line: user errors are one message with exit status 2, never a traceback."""
 
 import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
 
 import pytest
 
 from spmd.cli import main
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _run(capsys, *argv):
@@ -33,8 +40,34 @@ def test_user_errors_print_one_line(capsys, argv, message):
         return
     assert code == 2
     assert "Traceback" not in err + out
-    import re
     assert re.search(message, err), err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "--bogus"], "error: No such option: --bogus \\(see `spmd run --help`\\)"),
+    (["bogus"], "error: No such command 'bogus' \\(see `spmd --help`\\)"),
+    (["plan", "--steps", "3"], "No such option: --steps"),
+    (["run", "--steps", "abc"], "Invalid value for '--steps'"),
+    (["run", "--steps", "0"], "Invalid value for '--steps'"),
+])
+def test_usage_errors_print_one_line(capsys, argv, message):
+    code, out, err = _run(capsys, *argv)
+    assert code == 2 and "Traceback" not in out + err
+    assert len(err.strip().splitlines()) == 1 and re.search(message, err), err
+
+
+def test_usage_error_from_the_console_script_has_no_traceback(tmp_path):
+    """The real entry point, in a process of its own, run from an empty directory."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))  # this checkout, installed or not
+    done = subprocess.run([sys.executable, "-m", "spmd.cli", "run", "--bogus"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == "error: No such option: --bogus (see `spmd run --help`)"
+
+
+def test_no_arguments_show_the_help(capsys):
+    code, out, _ = _run(capsys)
+    assert code == 0 and "Usage: spmd" in out and "plan" in out
 
 
 def test_bad_batch_split_names_tensor_dimension_and_axes(capsys):
