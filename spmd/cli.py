@@ -167,10 +167,11 @@ def compare(
     """Auto beside every hand-written plan, each compiled: predicted and measured, judged."""
     import spmd
     from spmd.analysis import verify
-    from spmd.cluster.mesh import set_cpu_device_count
+    from spmd.cluster.devices import set_cpu_device_count
 
     device_mesh = spmd.load_mesh(mesh, virtual=True)
-    set_cpu_device_count(device_mesh.size)  # compiled, not run: as many CPU devices
+    # compiled, not run: on as many simulated CPU devices
+    set_cpu_device_count(device_mesh.size, f"`spmd compare` on mesh {device_mesh.name!r}")
     from flax import nnx
 
     spec = _model(model)

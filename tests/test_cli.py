@@ -32,6 +32,7 @@ def _run(capsys, *argv):
     (["plan", "--model", "gpt-125m", "--mesh", "a100-2x8", "--method", "tp"],
      "attn/bk: dimension 0 \\(heads, size 12\\) is not divisible by mesh axes \\(.model.,\\)"),
     (["launch", "-n", "2"], "give the command to launch"),
+    (["run", "--mesh", "a100-8"], "mesh 'a100-8' .* is for 8 GPUs but no GPU is present"),
 ])
 def test_user_errors_print_one_line(capsys, argv, message):
     code, out, err = _run(capsys, *argv)
