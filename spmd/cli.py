@@ -1,16 +1,18 @@
 """`spmd run | plan | compare | models | meshes | launch`: the command line.
 
-User errors (a bad mesh file, an unknown model, a dimension that cannot be split) print one
-message and exit with status 2, without a traceback.
+A step is a zoo model's (``--model``) or the user's own (``--step module:function``, see
+``spmd.user_step``). User errors (a bad mesh file, an unknown model or option, a dimension that
+cannot be split) print one message and exit with status 2, without a traceback.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, Callable, Iterator, List, Optional
 
 import typer
 
@@ -52,9 +54,91 @@ def _say(message: str) -> None:
         typer.echo(message)
 
 
+def _check_step_options(model: Optional[str], step_ref: Optional[str],
+                        batch_size: Optional[int]) -> None:
+    """A step is a zoo model's or the user's own (``--step``), never both."""
+    if step_ref is None:
+        return
+    if model is not None:
+        _fail("--model and --step are mutually exclusive: name a zoo model or your own step")
+    if batch_size is not None:
+        _fail("--batch-size sizes a zoo model's batch; with --step, make() returns the batch")
+
+
+def _abstract_step(model: Optional[str], step_ref: Optional[str], batch_size: Optional[int]
+                   ) -> tuple[Callable, tuple, str]:
+    """The step to plan, its arguments (shapes suffice) and a line naming it: a zoo model's
+    train step, or the user's own (``spmd.user_step``)."""
+    if step_ref is not None:
+        from spmd.user_step import load_step
+
+        step_fn, args = load_step(step_ref, concrete=False)
+        return step_fn, args, f"step {step_ref}"
+    from flax import nnx
+
+    spec = _model(model or DEFAULT_MODEL)
+    size = batch_size or spec.default_batch_size
+    args = (*nnx.eval_shape(spec.training_state), jax_abstract(spec.batch, size))
+    return (spec.train_step, args,
+            f"model {spec.name}: {spec.param_count():,} parameters, global batch {size}")
+
+
+@contextlib.contextmanager
+def _working(what: str) -> Iterator[None]:
+    """A spinner and the seconds elapsed while ``what`` runs (a search can take a minute),
+    on stderr and gone when done; only on a terminal and in the first process, so logs and
+    captured output stay as they were."""
+    import jax
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  console=console, transient=True,
+                  disable=not console.is_terminal or jax.process_index() != 0) as progress:
+        progress.add_task(what, total=None)
+        yield
+
+
+def _train(call: Callable[[], Any], steps: int) -> tuple[list[Optional[float]], list[float]]:
+    """Run ``call`` (one step, returning its metrics) ``steps`` times under a progress bar:
+    each step's loss (None where its metrics hold none) and seconds."""
+    import jax
+    from rich.progress import Progress
+
+    from spmd.user_step import loss_of
+
+    losses: list[Optional[float]] = []
+    times: list[float] = []
+    with Progress(disable=jax.process_index() != 0, transient=True) as progress:
+        task = progress.add_task("training", total=steps)
+        for i in range(steps):
+            start = time.perf_counter()
+            metrics = jax.block_until_ready(call())
+            times.append(time.perf_counter() - start)
+            losses.append(loss_of(metrics))
+            shown = "" if losses[-1] is None else f"  loss {losses[-1]:.6f}"
+            progress.update(task, advance=1, description=f"step {i + 1}{shown}")
+            progress.console.print(f"step {i + 1:4d}{shown}  {times[-1] * 1e3:8.1f} ms")
+    return losses, times
+
+
+def _median_step(times: list[float]) -> float:
+    """The step time reported: the median after the first step (which may compile)."""
+    import numpy as np
+
+    return float(np.median(times[1:] or times))
+
+
+STEP_HELP = ("your own step instead of a zoo model: module:function returning (step_fn, args) "
+             "(see README); the current directory is importable")
+
+
 @app.command()
 def run(
-    model: str = typer.Option(DEFAULT_MODEL, help="model name (see `spmd models`)"),
+    model: Optional[str] = typer.Option(None, help=f"zoo model name (see `spmd models`; "
+                                        f"default {DEFAULT_MODEL})"),
+    step_ref: Optional[str] = typer.Option(None, "--step", help=STEP_HELP),
     mesh: str = typer.Option(DEFAULT_MESH, help="bundled mesh name (see `spmd meshes`) or "
                              "a mesh file"),
     method: str = typer.Option("auto", help="auto (searched), or dp, zero, fsdp, tp, dp_tp, "
@@ -63,21 +147,25 @@ def run(
     memory_budget: Optional[float] = typer.Option(None, help="bytes per device (auto)"),
     steps: int = typer.Option(20, min=1, help="training steps"),
     batch_size: Optional[int] = typer.Option(None, help="global batch size (model default)"),
-    seed: int = typer.Option(0, help="initialization and data seed"),
+    seed: int = typer.Option(0, help="a zoo model's initialization and data seed"),
     describe: bool = typer.Option(False, help="list every tensor in the plan table"),
     output_json: Optional[Path] = typer.Option(None, help="write losses and the report here"),
 ) -> None:
-    """Train a zoo model for a few steps under a plan; report losses, speed and the HLO."""
+    """Train a zoo model, or your own step, for a few steps under a plan; report losses,
+    speed and the HLO."""
     import spmd
 
+    _check_step_options(model, step_ref, batch_size)
     device_mesh = spmd.load_mesh(mesh)  # before jax starts: sets the CPU device count
     spmd.init_distributed(device_mesh)
     import jax
-    import numpy as np
     from flax import nnx
-    from rich.progress import Progress
 
-    spec = _model(model)
+    options = spmd.SearchOptions(time_limit=time_limit, memory_budget=memory_budget)
+    if step_ref is not None:
+        _run_own_step(step_ref, device_mesh, method, options, steps, describe, output_json)
+        return
+    spec = _model(model or DEFAULT_MODEL)
     size = batch_size or spec.default_batch_size
 
     def create():
@@ -85,32 +173,21 @@ def run(
 
     abstract_model, abstract_opt = nnx.eval_shape(create)
     batch = spec.batch(size, seed)
-    options = spmd.SearchOptions(time_limit=time_limit, memory_budget=memory_budget)
     step = spmd.parallelize(spec.train_step, mesh=device_mesh, method=method, options=options)
-    plan = step.plan_for(abstract_model, abstract_opt, batch)
+    with _working(f"planning {spec.name} on {device_mesh.name} ({method})"):
+        plan = step.plan_for(abstract_model, abstract_opt, batch)
     net, opt = spmd.materialize(create, plan)
     # Each process reads only its rows, as a real input pipeline would.
     local_batch = spmd.shard_batch(plan, spmd.process_local_batch(plan, batch))
-    compiled = step.compile(net, opt, local_batch)  # the executable the steps below run
+    with _working("compiling"):
+        compiled = step.compile(net, opt, local_batch)  # the executable the steps below run
     report = spmd.analyze(compiled)
     plan.attach_measured(report)
     _say(device_mesh.describe())
     _say(f"model {spec.name}: {spec.param_count():,} parameters; method {method}; "
          f"global batch {size}")
-    losses: list[float] = []
-    times: list[float] = []
-    with Progress(disable=jax.process_index() != 0, transient=True) as progress:
-        task = progress.add_task("training", total=steps)
-        for i in range(steps):
-            start = time.perf_counter()
-            metrics = step(net, opt, local_batch)
-            loss = float(np.asarray(jax.device_get(metrics["loss"])))
-            times.append(time.perf_counter() - start)
-            losses.append(loss)
-            progress.update(task, advance=1, description=f"step {i + 1} loss {loss:.4f}")
-            progress.console.print(f"step {i + 1:4d}  loss {loss:.6f}  {times[-1] * 1e3:8.1f} ms")
-    steady = times[1:] or times
-    step_time = float(np.median(steady))
+    losses, times = _train(lambda: step(net, opt, local_batch), steps)
+    step_time = _median_step(times)
     per_second = spec.items_per_batch(size) / step_time
     _say(f"step time {step_time * 1e3:.1f} ms (median after the first), "
          f"{per_second:,.0f} {spec.unit}/s")
@@ -123,9 +200,46 @@ def run(
             "report": report.to_dict()}, indent=1))
 
 
+def _run_own_step(step_ref: str, device_mesh, method: str, options: SearchOptions, steps: int,
+                  describe: bool, output_json: Optional[Path]) -> None:
+    """``spmd run --step``: the user's step on the arguments its make() returns, fed back
+    as ``spmd.user_step`` says (NNX state in place, else ``(state, metrics)``)."""
+    import spmd
+    from spmd.user_step import advance, is_in_place, load_step
+
+    step_fn, args = load_step(step_ref, concrete=True)
+    step = spmd.parallelize(step_fn, mesh=device_mesh, method=method, options=options)
+    with _working(f"planning {step_ref} on {device_mesh.name} ({method})"):
+        plan = step.plan_for(*args)
+    with _working("compiling"):
+        report = spmd.analyze(step.compile(*args))
+    plan.attach_measured(report)
+    in_place = is_in_place(args)
+
+    def call():
+        nonlocal args
+        args, metrics = advance(args, step(*args), in_place)
+        return metrics
+
+    _say(device_mesh.describe())
+    _say(f"step {step_ref}; method {method}")
+    losses, times = _train(call, steps)
+    step_time = _median_step(times)
+    _say(f"step time {step_time * 1e3:.1f} ms (median after the first)")
+    _say(plan.describe(max_rows=None if describe else 12))
+    _say(report.describe())
+    if output_json is not None:
+        output_json.write_text(json.dumps({
+            "step": step_ref, "mesh": device_mesh.name, "method": method, "losses": losses,
+            "step_time": step_time, "report": report.to_dict()}, indent=1))
+
+
 @app.command("plan")
 def plan_cmd(
-    model: str = typer.Option(DEFAULT_MODEL, help="model name (see `spmd models`)"),
+    model: Optional[str] = typer.Option(None, help=f"zoo model name (see `spmd models`; "
+                                        f"default {DEFAULT_MODEL})"),
+    step_ref: Optional[str] = typer.Option(None, "--step", help=STEP_HELP + "; its arguments "
+                                           "may be abstract (nnx.eval_shape)"),
     mesh: str = typer.Option(DEFAULT_MESH, help="bundled mesh name or a mesh file; planned as "
                              "a virtual mesh"),
     method: str = typer.Option("auto", help="plan to show: auto or a hand-written one"),
@@ -137,18 +251,14 @@ def plan_cmd(
     """Plan without running anything: any mesh, even a cluster you do not have."""
     import spmd
 
+    _check_step_options(model, step_ref, batch_size)
     device_mesh = spmd.load_mesh(mesh, virtual=True)
-    from flax import nnx
-
-    spec = _model(model)
-    size = batch_size or spec.default_batch_size
-
-    abstract_model, abstract_opt = nnx.eval_shape(spec.training_state)
-    abstract_batch = jax_abstract(spec.batch, size)
+    step_fn, args, title = _abstract_step(model, step_ref, batch_size)
     options = spmd.SearchOptions(time_limit=time_limit, memory_budget=memory_budget)
-    plan = spmd.plan(spec.train_step, abstract_model, abstract_opt, abstract_batch,
-                     mesh=device_mesh, method=method, options=options)
-    typer.echo(f"model {spec.name}: {spec.param_count():,} parameters, global batch {size}")
+    with _working(f"planning {step_ref or model or DEFAULT_MODEL} on {device_mesh.name} "
+                  f"({method})"):
+        plan = spmd.plan(step_fn, *args, mesh=device_mesh, method=method, options=options)
+    typer.echo(title)
     typer.echo(plan.describe())
     if save:
         plan.save(save)
@@ -157,7 +267,9 @@ def plan_cmd(
 
 @app.command()
 def compare(
-    model: str = typer.Option(DEFAULT_MODEL, help="model name (see `spmd models`)"),
+    model: Optional[str] = typer.Option(None, help=f"zoo model name (see `spmd models`; "
+                                        f"default {DEFAULT_MODEL})"),
+    step_ref: Optional[str] = typer.Option(None, "--step", help=STEP_HELP),
     mesh: str = typer.Option(DEFAULT_MESH, help="bundled mesh name or a mesh file; compiled "
                              "on as many simulated CPU devices"),
     batch_size: Optional[int] = typer.Option(None, help="global batch size (model default)"),
@@ -169,19 +281,16 @@ def compare(
     from spmd.analysis import verify
     from spmd.cluster.devices import set_cpu_device_count
 
+    _check_step_options(model, step_ref, batch_size)
     device_mesh = spmd.load_mesh(mesh, virtual=True)
     # compiled, not run: on as many simulated CPU devices
     set_cpu_device_count(device_mesh.size, f"`spmd compare` on mesh {device_mesh.name!r}")
-    from flax import nnx
-
-    spec = _model(model)
-    size = batch_size or spec.default_batch_size
-
-    args = (*nnx.eval_shape(spec.training_state), jax_abstract(spec.batch, size))
-    record = verify.compare(spec.train_step, *args, mesh=device_mesh,
-                            options=spmd.SearchOptions(time_limit=time_limit))
-    typer.echo(f"model {spec.name}: {spec.param_count():,} parameters, global batch {size}; "
-               f"{device_mesh.describe()}")
+    step_fn, args, title = _abstract_step(model, step_ref, batch_size)
+    with _working(f"planning and compiling every plan of {step_ref or model or DEFAULT_MODEL} "
+                  f"on {device_mesh.name}"):
+        record = verify.compare(step_fn, *args, mesh=device_mesh,
+                                options=spmd.SearchOptions(time_limit=time_limit))
+    typer.echo(f"{title}; {device_mesh.describe()}")
     typer.echo(verify.describe(record))
     if output_json is not None:
         output_json.write_text(json.dumps(record, indent=1, default=str))

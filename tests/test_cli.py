@@ -142,3 +142,123 @@ def test_compare_judges_auto_against_every_compiled_hand_written_plan(capsys, tm
     assert verdict["A"] and verdict["C"]
     assert record["manual"]["ep"]["applicable"] is False
     assert record["manual"]["dp"]["total_collective_bytes"] > 0
+
+
+OWN_STEP = '''
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs):
+        self.hidden = nnx.Linear(16, 32, rngs=rngs)
+        self.out = nnx.Linear(32, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(jax.nn.relu(self.hidden(x)))
+
+
+def train_step(model, optimizer, batch):
+    def loss_fn(model):
+        return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return {"loss": loss}
+
+
+def create():
+    model = MLP(nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.sgd(0.05), wrt=nnx.Param)
+
+
+def batch():
+    x = jax.random.normal(jax.random.key(1), (16, 16))
+    return {"x": x, "y": jnp.sin(x[:, :1])}
+
+
+def make():
+    return train_step, (*create(), batch())
+
+
+def make_abstract():
+    return train_step, (*nnx.eval_shape(create), jax.eval_shape(batch))
+
+
+def sgd_step(params, batch):
+    def loss_fn(params):
+        return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    return jax.tree.map(lambda p, g: p - 0.05 * g, params, grads), {"loss": loss}
+
+
+def make_functional():
+    return sgd_step, ({"w": jnp.zeros((16, 1))}, batch())
+
+
+def make_stateless():
+    return (lambda params, batch: {"loss": sgd_step(params, batch)[1]["loss"]},
+            ({"w": jnp.zeros((16, 1))}, batch()))
+
+
+def make_nothing():
+    return 3
+
+
+not_a_function = 3
+'''
+
+
+@pytest.fixture
+def own_step(tmp_path, monkeypatch):
+    """A module of the user's own in the current directory (``mine.py``), as `--step` finds
+    it; removed from sys.modules afterwards so each test imports it afresh."""
+    (tmp_path / "mine.py").write_text(OWN_STEP)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    sys.modules.pop("mine", None)
+
+
+@pytest.mark.parametrize("ref", ["mine:make", "mine:make_functional"])
+def test_run_trains_ones_own_step(capsys, own_step, ref):
+    """An NNX step updates its model in place; a functional one gets its new state back."""
+    out_json = own_step / "run.json"
+    code, out, err = _run(capsys, "run", "--step", ref, "--steps", "4", "--time-limit", "2",
+                          "--output-json", str(out_json))
+    assert code == 0, err
+    assert f"step {ref}; method auto" in out and "step time" in out
+    losses = json.loads(out_json.read_text())["losses"]
+    assert len(losses) == 4 and losses[3] < losses[0]
+
+
+def test_plan_ones_own_step_from_abstract_arguments(capsys, own_step):
+    code, out, err = _run(capsys, "plan", "--step", "mine:make_abstract", "--method", "dp")
+    assert code == 0, err
+    assert out.startswith("step mine:make_abstract\n") and "dp" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "--step", "mine:make", "--model", "mlp-tiny"], "--model and --step are mutually "
+                                                            "exclusive"),
+    (["plan", "--step", "mine:make", "--batch-size", "8"], "--batch-size sizes a zoo model's"),
+    (["run", "--step", "mine"], "--step 'mine': expected module:function"),
+    (["run", "--step", "nowhere.mod:make"], "--step nowhere.mod:make: cannot import module "
+                                            "'nowhere.mod' \\(No module named 'nowhere'\\)"),
+    (["plan", "--step", "mine:missing"], "module 'mine' \\(.*mine.py\\) has no attribute "
+                                         "'missing'; expected a function returning"),
+    (["plan", "--step", "mine:not_a_function"], "has a non-callable 'not_a_function'"),
+    (["plan", "--step", "mine:make_nothing"], "make_nothing\\(\\) returned int; expected "
+                                              "\\(step_fn, args\\)"),
+    (["run", "--step", "mine:make_abstract"], "returned abstract arguments"),
+    (["run", "--step", "mine:make_stateless", "--steps", "2", "--method", "dp"],
+     "the step takes no NNX model or optimizer, so `spmd run` needs it to return "
+     "\\(new_state, metrics\\)"),
+])
+def test_own_step_errors_name_the_culprit(capsys, own_step, argv, message):
+    code, out, err = _run(capsys, *argv)
+    assert code == 2 and "Traceback" not in out + err
+    assert len(err.strip().splitlines()) == 1 and re.search(message, err), err

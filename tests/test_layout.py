@@ -29,7 +29,7 @@ LAYERS = [
     {"spmd.api"},
     {"spmd.analysis.verify"},
     {"spmd.zoo"},  # the repository's models/ folder: Flax models, importing no spmd layer
-    {"spmd.cli", "spmd"},
+    {"spmd.user_step", "spmd.cli", "spmd"},
 ]
 
 
