@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator, List, Optional
 
 import typer
 
+from spmd.cluster.mesh import DeviceMesh
 from spmd.errors import SpmdError
 from spmd.options import SearchOptions
 
@@ -26,6 +27,8 @@ DEFAULT_MESH = "cpu-8"  # a bundled mesh: spmd/meshes/cpu-8.yaml
 DEFAULT_MODEL = "gpt-tiny"
 #: the search's defaults, one place (``spmd.options``)
 DEFAULT_TIME_LIMIT = SearchOptions.time_limit
+STEP_HELP = ("your own step instead of a zoo model: module:function returning (step_fn, args) "
+             "(see README); the current directory is importable")
 
 
 def _error(message: str) -> None:
@@ -130,10 +133,6 @@ def _median_step(times: list[float]) -> float:
     return float(np.median(times[1:] or times))
 
 
-STEP_HELP = ("your own step instead of a zoo model: module:function returning (step_fn, args) "
-             "(see README); the current directory is importable")
-
-
 @app.command()
 def run(
     model: Optional[str] = typer.Option(None, help=f"zoo model name (see `spmd models`; "
@@ -200,8 +199,8 @@ def run(
             "report": report.to_dict()}, indent=1))
 
 
-def _run_own_step(step_ref: str, device_mesh, method: str, options: SearchOptions, steps: int,
-                  describe: bool, output_json: Optional[Path]) -> None:
+def _run_own_step(step_ref: str, device_mesh: DeviceMesh, method: str, options: SearchOptions,
+                  steps: int, describe: bool, output_json: Optional[Path]) -> None:
     """``spmd run --step``: the user's step on the arguments its make() returns, fed back
     as ``spmd.user_step`` says (NNX state in place, else ``(state, metrics)``)."""
     import spmd
