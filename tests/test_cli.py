@@ -214,11 +214,11 @@ not_a_function = 3
 
 @pytest.fixture
 def own_step(tmp_path, monkeypatch):
-    """A module of the user's own in the current directory (``mine.py``), as `--step` finds
-    it; removed from sys.modules afterwards so each test imports it afresh."""
+    """A module of the user's own in the current directory (``mine.py``), which `--step`
+    makes importable; sys.path and sys.modules are restored afterwards."""
     (tmp_path / "mine.py").write_text(OWN_STEP)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".")])  # as a script
     yield tmp_path
     sys.modules.pop("mine", None)
 
