@@ -40,3 +40,15 @@ def test_installed_layout_from_another_directory(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["None", "mlp-tiny", "['a100-2x8',", "'a100-8']"], (
         f"{done.stdout!r}: a top-level `models` means a stale install; pip install -e . again")
+
+
+def test_zoo_comes_from_the_same_checkout_as_spmd():
+    """An editable install maps spmd.zoo to the models/ folder of the checkout it was made
+    from: spmd imported from another checkout (a worktree on sys.path, the venv installed
+    from the main one) would run that one's zoo silently."""
+    import spmd
+    import spmd.zoo
+
+    here, zoo = pathlib.Path(spmd.__file__).parent, pathlib.Path(spmd.zoo.__file__).parent
+    assert zoo in (here / "zoo", here.parent / "models"), (
+        f"spmd from {here} but spmd.zoo from {zoo}: pip install -e . in {here.parent}")
