@@ -147,11 +147,11 @@ class DeviceMesh:
         its devices, else, for a virtual mesh, the abstract one (planning for a cluster that
         is not here). A mesh that is not virtual must have its devices: without them its
         plan could not run, so this is the first place that says so (MeshError)."""
-        if not self.virtual:
-            return self.jax_mesh()
         try:
             return self.jax_mesh()
         except MeshError:
+            if not self.virtual:
+                raise
             return self.abstract_mesh()
 
     def abstract_mesh(self):
