@@ -5,7 +5,7 @@ applicable hand-written plan is scored by the same cost model: ``Plan.alternativ
 compiles the auto plan and every applicable hand-written plan, and reads what XLA emitted
 (``spmd.analyze``: collective bytes and memory per device). On the 8-device CPU meshes
 (1x8, 2x4, 8x1) the auto plan is also run for a few steps on 8 simulated CPU devices; the
-16- and 64-device meshes (meshes/a100-2x8.yaml, meshes/a100-8x8.yaml, virtual) are compiled
+16- and 64-device meshes (the bundled a100-2x8 and a100-8x8, virtual) are compiled
 on as many simulated CPU devices but not run.
 
     python bench/auto_vs_manual.py                        # everything
@@ -71,16 +71,16 @@ MODELS: dict[str, tuple[str, dict[str, Any], int | None]] = {
     "gpt-1.3b": ("gpt-1.3b", {}, 16),
 }
 
-# Link figures of meshes/cpu-8.yaml, for the 8-device meshes built in code.
+# Link figures of the bundled cpu-8 mesh (spmd/meshes/cpu-8.yaml), for the 8-device meshes built in code.
 CPU_BANDWIDTH, CPU_LATENCY = 10.0e9, 10.0e-6
 # Mesh name -> (devices, how to build it). "file:" meshes are loaded (virtual ones with
 # virtual=True: compiled on as many CPU devices, not run).
 MESHES: dict[str, tuple[int, str, bool]] = {
     "1x8": (8, "make:1,8", True),
-    "2x4": (8, "file:meshes/cpu-8.yaml", True),
+    "2x4": (8, "file:cpu-8", True),
     "8x1": (8, "make:8,1", True),
-    "a100-2x8": (16, "file:meshes/a100-2x8.yaml", False),
-    "a100-8x8": (64, "file:meshes/a100-8x8.yaml", False),
+    "a100-2x8": (16, "file:a100-2x8", False),
+    "a100-8x8": (64, "file:a100-8x8", False),
 }
 #: gpt-1.3b only on the virtual meshes (--models gpt-1.3b --meshes a100-2x8,a100-8x8): run on
 #: 8 simulated CPU devices its replicated state alone would need 8 x 21 GB
@@ -100,14 +100,14 @@ def _build_mesh(name: str):
         return spmd.make_mesh({"data": d, "model": m}, bandwidth=CPU_BANDWIDTH,
                               latency=CPU_LATENCY, device="cpu", platform="cpu",
                               name=f"cpu-{d}x{m}")
-    return spmd.load_mesh(common.REPO_ROOT / how[5:], virtual=not runnable)
+    return spmd.load_mesh(how[5:], virtual=not runnable)
 
 
 def _get_model(name: str):
-    import models
+    from spmd import zoo
 
     base, overrides, batch = MODELS[name]
-    spec = models.get(base)
+    spec = zoo.get(base)
     if overrides:
         spec = spec.with_config(**overrides)
     return spec, batch or spec.default_batch_size, overrides
@@ -276,7 +276,7 @@ def render(data: dict[str, Any]) -> str:
         f"{data['total_wall_s']:.0f} s.",
         "",
         "Meshes: `1x8`, `2x4`, `8x1` are data x model on 8 simulated CPU devices with the link "
-        "figures of `meshes/cpu-8.yaml` (`2x4` is that file); auto's plan is compiled and run "
+        "figures of `spmd/meshes/cpu-8.yaml` (`2x4` is that file); auto's plan is compiled and run "
         f"({data['steps']} steps). `a100-2x8` (16 devices) and `a100-8x8` (64) are the mesh "
         "files loaded with `virtual=True`: planned with A100 figures, compiled on as many "
         "simulated CPU devices, not run. Hand-written plans are compiled, not run.",

@@ -44,7 +44,7 @@ def measure(mesh_path: str, cases, steps: int, out: Path | None) -> list[dict]:
     import numpy as np
     from flax import nnx
 
-    import models
+    from spmd import zoo
     import spmd
 
     mesh = spmd.load_mesh(mesh_path)
@@ -54,7 +54,7 @@ def measure(mesh_path: str, cases, steps: int, out: Path | None) -> list[dict]:
         if time.perf_counter() - began > BUDGET_S:
             print(f"skipped {name} {dtype} {overrides}: past the {BUDGET_S:.0f} s budget")
             continue
-        spec = models.get(name).with_config(dtype=dtype, **overrides)
+        spec = zoo.get(name).with_config(dtype=dtype, **overrides)
 
         abstract_model, abstract_opt = nnx.eval_shape(spec.training_state)
         batch = spec.batch(batch_size, 0)
@@ -152,7 +152,7 @@ def write_report(path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--mesh", default="meshes/h200-1.yaml")
+    parser.add_argument("--mesh", default="h200-1", help="bundled mesh name or mesh file")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--models", default=None, help="comma list of model:dtype:batch")
     parser.add_argument("--out", type=Path, default=None)

@@ -1,4 +1,4 @@
-"""Hand-written plans side by side on 8 simulated CPU devices (meshes/cpu-8.yaml).
+"""Hand-written plans side by side on 8 simulated CPU devices (the bundled cpu-8 mesh).
 
 For each model x method (dp, zero, fsdp, tp, dp_tp, fsdp_tp, ep) this compiles the AdamW
 train step as ``spmd run`` does (eval_shape -> plan -> parallelize -> lower().compile() ->
@@ -30,7 +30,7 @@ try:  # run as a script (python bench/manual_plans.py): bench/ is on sys.path
 except ImportError:  # python -m bench.manual_plans
     from bench import common
 
-MESH = "meshes/cpu-8.yaml"
+MESH = "cpu-8"
 SECTION = "## Hand-written plans on cpu-8 (bench/manual_plans.py)"
 DEFAULT_MODELS = ["gpt-tiny", "mlp-tiny", "mlp-small", "moe-tiny", "wresnet-tiny", "gpt-bench"]
 # Models defined here, not in the zoo: (zoo model, config overrides, batch size).
@@ -71,12 +71,12 @@ class Initial:
 
 def get_model(name: str):
     """(ModelSpec, batch size, config overrides) for a zoo name or one of BENCH_MODELS."""
-    import models
+    from spmd import zoo
 
     if name in BENCH_MODELS:
         base, overrides, batch = BENCH_MODELS[name]
-        return models.get(base).with_config(**overrides), batch, overrides
-    spec = models.get(name)
+        return zoo.get(base).with_config(**overrides), batch, overrides
+    spec = zoo.get(name)
     return spec, spec.default_batch_size, {}
 
 
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import spmd
 
-    mesh = spmd.load_mesh(common.REPO_ROOT / MESH)  # before jax starts: 8 CPU devices
+    mesh = spmd.load_mesh(MESH)  # before jax starts: 8 CPU devices
     from spmd.manual import METHODS
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]

@@ -2,7 +2,7 @@
 hand-written plans adds.
 
 1. Depth: GPT (gpt-tiny's width) at 12, 24, 48 and 96 layers, planned on a virtual 2x4 mesh
-   (meshes/cpu-8.yaml, ``virtual=True``) from the abstract model (``nnx.eval_shape``; nothing
+   (the bundled cpu-8 mesh, ``virtual=True``) from the abstract model (``nnx.eval_shape``; nothing
    is allocated or compiled) with ``SearchOptions(cache=False, compare=False)``. Reported per
    depth: the phases the plan records itself (``Plan.search["timings"]``: tracing the step,
    building the op graph, pricing the cost graph, the search's request, solve and
@@ -11,7 +11,7 @@ hand-written plans adds.
    Targets: 24 layers in <= 10 s on 2 cores; no worse than linear growth (ratio <= 2 per
    doubling; 10% slack for a noisy shared machine).
 2. Comparison: a 24-layer GPT of width 256 (adamw) on the virtual 2x4 A100 mesh
-   (meshes/a100-8.yaml), planned with ``compare=False`` and with the default
+   (the bundled a100-8), planned with ``compare=False`` and with the default
    ``compare=True`` (every applicable hand-written plan scored on the search's cost graph),
    one after the other in one run. Target: the default at most 1.5x the ``compare=False``
    time.
@@ -42,12 +42,12 @@ except ImportError:  # python -m bench.search_time
     from bench import common
 
 SECTION = "## Search time vs depth (bench/search_time.py)"
-MESH = "meshes/cpu-8.yaml"
+MESH = "cpu-8"
 DEFAULT_LAYERS = (12, 24, 48, 96)
 TARGET_LAYERS, TARGET_SECONDS = 24, 10.0
 LINEAR_SLACK = 1.10  # growth per doubling must be <= 2 x this
 #: the comparison case: a 24-layer GPT of width 256 on a virtual 2x4 A100 mesh
-COMPARE_MESH = "meshes/a100-8.yaml"
+COMPARE_MESH = "a100-8"
 COMPARE_WIDTH = dict(num_layers=24, d_model=256, num_heads=8, head_dim=32, d_ff=1024,
                      vocab_size=2048, seq_len=64)
 COMPARE_BATCH = 16
@@ -59,11 +59,11 @@ def run_case(layers: int, time_limit: float | None, compare: bool, wide: bool) -
     import jax
     from flax import nnx
 
-    import models
+    from spmd import zoo
     import spmd
 
-    mesh = spmd.load_mesh(common.REPO_ROOT / (COMPARE_MESH if wide else MESH), virtual=True)
-    base = models.get("gpt-tiny")
+    mesh = spmd.load_mesh(COMPARE_MESH if wide else MESH, virtual=True)
+    base = zoo.get("gpt-tiny")
     spec = base.with_config(**COMPARE_WIDTH) if wide else base.with_config(num_layers=layers)
     batch_size = COMPARE_BATCH if wide else spec.default_batch_size
 
@@ -293,9 +293,9 @@ def main(argv: list[str] | None = None) -> int:
             {"layers": args.worker}, args.result)
 
     depths = sorted(int(x) for x in args.layers.split(",") if x.strip())
-    import models
+    from spmd import zoo
 
-    tiny = models.get("gpt-tiny")
+    tiny = zoo.get("gpt-tiny")
     start = time.perf_counter()
     data: dict[str, Any] = {
         "command": common.command_line(argv=None if argv is None

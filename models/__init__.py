@@ -1,7 +1,10 @@
 """The `spmd` model zoo: Flax NNX models whose every parameter carries logical axis names.
 
->>> import models
->>> spec = models.get("mlp-tiny")
+Installed as ``spmd.zoo`` (from the repository's ``models/`` folder), so it never shadows a
+user's own ``models`` package.
+
+>>> from spmd import zoo
+>>> spec = zoo.get("mlp-tiny")
 >>> spec.family, spec.unit, spec.default_batch_size
 ('mlp', 'samples', 16)
 >>> spec.param_count()
@@ -64,7 +67,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from models import gpt, mlp, moe, train, wide_resnet
+from . import gpt, mlp, moe, train, wide_resnet
 
 __all__ = ["ModelSpec", "UnknownModelError", "get", "names"]
 
@@ -75,7 +78,7 @@ class UnknownModelError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class _Family:
-    """What the registry needs from a model module (`models.gpt` etc.)."""
+    """What the registry needs from a model module (`spmd.zoo.gpt` etc.)."""
 
     name: str
     module: types.ModuleType
@@ -140,7 +143,7 @@ class ModelSpec:
         return self._module.loss
 
     def optimizer(self, model: nnx.Module, **adamw_overrides: float) -> nnx.Optimizer:
-        """AdamW over the model's params (see `models.train.make_optimizer` for defaults)."""
+        """AdamW over the model's params (see `spmd.zoo.train.make_optimizer` for defaults)."""
         return train.make_optimizer(model, **adamw_overrides)
 
     def train_step(

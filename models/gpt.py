@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import layers
+from . import layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +43,7 @@ class Config:
         )
         object.__setattr__(self, "dtype", layers.canonical_dtype(self.dtype))
         if not isinstance(self.scan_layers, bool):
-            raise ValueError(f"models.gpt.Config.scan_layers must be a bool: {self.scan_layers!r}")
+            raise ValueError(f"spmd.zoo.gpt.Config.scan_layers must be a bool: {self.scan_layers!r}")
 
 
 def _size(num_layers: int, d_model: int, num_heads: int) -> Config:

@@ -1,4 +1,4 @@
-"""Transformer building blocks shared by `models.gpt` and `models.moe`.
+"""Transformer building blocks shared by `spmd.zoo.gpt` and `spmd.zoo.moe`.
 
 Every weight is an `nnx.Param` created through `nnx.with_partitioning`, so it carries
 logical axis names (read them with `nnx.get_partition_spec(nnx.state(model))`). The

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import layers
+from . import layers
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """A GShard-style mixture-of-experts transformer in Flax NNX.
 
-GPT-like (see `models.gpt`), but every other block's FFN is a mixture of experts, as in
+GPT-like (see `spmd.zoo.gpt`), but every other block's FFN is a mixture of experts, as in
 GShard (Lepikhin et al. 2020, §2.2 and Algorithm 1): a router picks each token's top-2
 experts, tokens are packed into per-expert buffers of fixed capacity (overflow is dropped
 and rides the residual connection), experts run as one einsum over an explicit `expert`
@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import gpt, layers
+from . import gpt, layers
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from models import layers
+from . import layers
 
 IMAGE_CHANNELS = 3
 

@@ -1,42 +1,51 @@
 """`spmd run | plan | compare | models | meshes | launch`: the command line.
 
-User errors (a bad mesh file, an unknown model, a dimension that cannot be split) print one
-message and exit with status 2, without a traceback.
+A step is a zoo model's (``--model``) or the user's own (``--step module:function``, see
+``spmd.user_step``). User errors (a bad mesh file, an unknown model or option, a dimension that
+cannot be split) print one message and exit with status 2, without a traceback.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, Callable, Iterator, List, Optional
 
 import typer
 
+from spmd.cluster.mesh import DeviceMesh
 from spmd.errors import SpmdError
 from spmd.options import SearchOptions
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False,
                   help="spmd: searched sharding plans for JAX/Flax training steps.")
 
-DEFAULT_MESH = "meshes/cpu-8.yaml"
+DEFAULT_MESH = "cpu-8"  # a bundled mesh: spmd/meshes/cpu-8.yaml
 DEFAULT_MODEL = "gpt-tiny"
 #: the search's defaults, one place (``spmd.options``)
 DEFAULT_TIME_LIMIT = SearchOptions.time_limit
+STEP_HELP = ("your own step instead of a zoo model: module:function returning (step_fn, args) "
+             "(see README); the current directory is importable")
+
+
+def _error(message: str) -> None:
+    typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
 
 
 def _fail(message: str) -> None:
-    typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
+    _error(message)
     raise typer.Exit(code=2)
 
 
 def _model(name: str):
-    import models
+    from spmd import zoo
 
     try:
-        return models.get(name)
-    except models.UnknownModelError as err:
+        return zoo.get(name)
+    except zoo.UnknownModelError as err:
         _fail(str(err))
 
 
@@ -48,33 +57,119 @@ def _say(message: str) -> None:
         typer.echo(message)
 
 
+def _check_step_options(model: Optional[str], step_ref: Optional[str],
+                        batch_size: Optional[int]) -> None:
+    """A step is a zoo model's or the user's own (``--step``), never both."""
+    if step_ref is None:
+        return
+    if model is not None:
+        _fail("--model and --step are mutually exclusive: name a zoo model or your own step")
+    if batch_size is not None:
+        _fail("--batch-size sizes a zoo model's batch; with --step, make() returns the batch")
+
+
+def _abstract_step(model: Optional[str], step_ref: Optional[str], batch_size: Optional[int]
+                   ) -> tuple[Callable, tuple, str]:
+    """The step to plan, its arguments (shapes suffice) and a line naming it: a zoo model's
+    train step, or the user's own (``spmd.user_step``)."""
+    if step_ref is not None:
+        from spmd.user_step import load_step
+
+        step_fn, args = load_step(step_ref, concrete=False)
+        return step_fn, args, f"step {step_ref}"
+    from flax import nnx
+
+    spec = _model(model or DEFAULT_MODEL)
+    size = batch_size or spec.default_batch_size
+    args = (*nnx.eval_shape(spec.training_state), jax_abstract(spec.batch, size))
+    return (spec.train_step, args,
+            f"model {spec.name}: {spec.param_count():,} parameters, global batch {size}")
+
+
+@contextlib.contextmanager
+def _working(what: str) -> Iterator[None]:
+    """A spinner and the seconds elapsed while ``what`` runs (a search can take a minute),
+    on stderr and gone when done; only on a terminal and in the first process, so logs and
+    captured output stay as they were."""
+    import jax
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  console=console, transient=True,
+                  disable=not console.is_terminal or jax.process_index() != 0) as progress:
+        progress.add_task(what, total=None)
+        yield
+
+
+def _train(call: Callable[[], Any], steps: int) -> tuple[list[Optional[float]], list[float]]:
+    """Run ``call`` (one step, returning its metrics) ``steps`` times under a progress bar:
+    each step's loss (None where its metrics hold none) and seconds."""
+    import jax
+    from rich.progress import Progress
+
+    from spmd.user_step import loss_of
+
+    losses: list[Optional[float]] = []
+    times: list[float] = []
+    with Progress(disable=jax.process_index() != 0, transient=True) as progress:
+        task = progress.add_task("training", total=steps)
+        for i in range(steps):
+            start = time.perf_counter()
+            metrics = jax.block_until_ready(call())
+            times.append(time.perf_counter() - start)
+            losses.append(loss_of(metrics))
+            shown = "" if losses[-1] is None else f"  loss {losses[-1]:.6f}"
+            progress.update(task, advance=1, description=f"step {i + 1}{shown}")
+            progress.console.print(f"step {i + 1:4d}{shown}  {times[-1] * 1e3:8.1f} ms")
+    return losses, times
+
+
+def _median_step(times: list[float]) -> float:
+    """The step time reported: the median after the first step (which may compile)."""
+    import numpy as np
+
+    return float(np.median(times[1:] or times))
+
+
 @app.command()
 def run(
-    model: str = typer.Option(DEFAULT_MODEL, help="model name (see `spmd models`)"),
-    mesh: Path = typer.Option(Path(DEFAULT_MESH), help="mesh file (see `spmd meshes`)"),
+    model: Optional[str] = typer.Option(None, help=f"zoo model name (see `spmd models`; "
+                                        f"default {DEFAULT_MODEL})"),
+    step_ref: Optional[str] = typer.Option(None, "--step", help=STEP_HELP),
+    mesh: str = typer.Option(DEFAULT_MESH, help="bundled mesh name (see `spmd meshes`) or "
+                             "a mesh file"),
     method: str = typer.Option("auto", help="auto (searched), or dp, zero, fsdp, tp, dp_tp, "
                                "fsdp_tp, ep"),
     time_limit: float = typer.Option(DEFAULT_TIME_LIMIT, help="seconds the sharding search may take"),
     memory_budget: Optional[float] = typer.Option(None, help="bytes per device (auto)"),
     steps: int = typer.Option(20, min=1, help="training steps"),
     batch_size: Optional[int] = typer.Option(None, help="global batch size (model default)"),
-    seed: int = typer.Option(0, help="initialization and data seed"),
+    seed: int = typer.Option(0, help="a zoo model's initialization and data seed"),
     describe: bool = typer.Option(False, help="list every tensor in the plan table"),
     output_json: Optional[Path] = typer.Option(None, help="write losses and the report here"),
     checkpoint: Optional[Path] = typer.Option(None, help="resume from this directory if it "
                                               "holds a checkpoint; save there at the end"),
 ) -> None:
-    """Train a zoo model for a few steps under a plan; report losses, speed and the HLO."""
+    """Train a zoo model, or your own step, for a few steps under a plan; report losses,
+    speed and the HLO."""
     import spmd
 
+    _check_step_options(model, step_ref, batch_size)
+    if step_ref is not None and checkpoint is not None:
+        _fail("--checkpoint resumes a zoo model (--model), whose state spmd builds; with "
+              "--step, call spmd.save_checkpoint / spmd.restore_checkpoint in make() or your loop")
     device_mesh = spmd.load_mesh(mesh)  # before jax starts: sets the CPU device count
     spmd.init_distributed(device_mesh)
     import jax
-    import numpy as np
     from flax import nnx
-    from rich.progress import Progress
 
-    spec = _model(model)
+    options = spmd.SearchOptions(time_limit=time_limit, memory_budget=memory_budget)
+    if step_ref is not None:
+        _run_own_step(step_ref, device_mesh, method, options, steps, describe, output_json)
+        return
+    spec = _model(model or DEFAULT_MODEL)
     size = batch_size or spec.default_batch_size
 
     def create():
@@ -82,9 +177,9 @@ def run(
 
     abstract_model, abstract_opt = nnx.eval_shape(create)
     batch = spec.batch(size, seed)
-    options = spmd.SearchOptions(time_limit=time_limit, memory_budget=memory_budget)
     step = spmd.parallelize(spec.train_step, mesh=device_mesh, method=method, options=options)
-    plan = step.plan_for(abstract_model, abstract_opt, batch)
+    with _working(f"planning {spec.name} on {device_mesh.name} ({method})"):
+        plan = step.plan_for(abstract_model, abstract_opt, batch)
     if checkpoint is not None and spmd.is_checkpoint(checkpoint):  # under this run's plan
         net, opt = spmd.restore_checkpoint(checkpoint, create, plan)
         _say(f"resumed from {checkpoint} (optimizer step {int(opt.step[...])})")
@@ -92,29 +187,18 @@ def run(
         net, opt = spmd.materialize(create, plan)
     # Each process reads only its rows, as a real input pipeline would.
     local_batch = spmd.shard_batch(plan, spmd.process_local_batch(plan, batch))
-    compiled = step.compile(net, opt, local_batch)  # the executable the steps below run
+    with _working("compiling"):
+        compiled = step.compile(net, opt, local_batch)  # the executable the steps below run
     report = spmd.analyze(compiled)
     plan.attach_measured(report)
     _say(device_mesh.describe())
     _say(f"model {spec.name}: {spec.param_count():,} parameters; method {method}; "
          f"global batch {size}")
-    losses: list[float] = []
-    times: list[float] = []
-    with Progress(disable=jax.process_index() != 0, transient=True) as progress:
-        task = progress.add_task("training", total=steps)
-        for i in range(steps):
-            start = time.perf_counter()
-            metrics = step(net, opt, local_batch)
-            loss = float(np.asarray(jax.device_get(metrics["loss"])))
-            times.append(time.perf_counter() - start)
-            losses.append(loss)
-            progress.update(task, advance=1, description=f"step {i + 1} loss {loss:.4f}")
-            progress.console.print(f"step {i + 1:4d}  loss {loss:.6f}  {times[-1] * 1e3:8.1f} ms")
+    losses, times = _train(lambda: step(net, opt, local_batch), steps)
     if checkpoint is not None:
         spmd.save_checkpoint(checkpoint, net, opt)  # replaces the one resumed from once written
         _say(f"saved {checkpoint}")
-    steady = times[1:] or times
-    step_time = float(np.median(steady))
+    step_time = _median_step(times)
     per_second = spec.items_per_batch(size) / step_time
     _say(f"step time {step_time * 1e3:.1f} ms (median after the first), "
          f"{per_second:,.0f} {spec.unit}/s")
@@ -127,10 +211,48 @@ def run(
             "report": report.to_dict()}, indent=1))
 
 
+def _run_own_step(step_ref: str, device_mesh: DeviceMesh, method: str, options: SearchOptions,
+                  steps: int, describe: bool, output_json: Optional[Path]) -> None:
+    """``spmd run --step``: the user's step on the arguments its make() returns, fed back
+    as ``spmd.user_step`` says (NNX state in place, else ``(state, metrics)``)."""
+    import spmd
+    from spmd.user_step import advance, is_in_place, load_step
+
+    step_fn, args = load_step(step_ref, concrete=True)
+    step = spmd.parallelize(step_fn, mesh=device_mesh, method=method, options=options)
+    with _working(f"planning {step_ref} on {device_mesh.name} ({method})"):
+        plan = step.plan_for(*args)
+    with _working("compiling"):
+        report = spmd.analyze(step.compile(*args))
+    plan.attach_measured(report)
+    in_place = is_in_place(args)
+
+    def call():
+        nonlocal args
+        args, metrics = advance(args, step(*args), in_place)
+        return metrics
+
+    _say(device_mesh.describe())
+    _say(f"step {step_ref}; method {method}")
+    losses, times = _train(call, steps)
+    step_time = _median_step(times)
+    _say(f"step time {step_time * 1e3:.1f} ms (median after the first)")
+    _say(plan.describe(max_rows=None if describe else 12))
+    _say(report.describe())
+    if output_json is not None:
+        output_json.write_text(json.dumps({
+            "step": step_ref, "mesh": device_mesh.name, "method": method, "losses": losses,
+            "step_time": step_time, "report": report.to_dict()}, indent=1))
+
+
 @app.command("plan")
 def plan_cmd(
-    model: str = typer.Option(DEFAULT_MODEL, help="model name (see `spmd models`)"),
-    mesh: Path = typer.Option(Path(DEFAULT_MESH), help="mesh file; planned as a virtual mesh"),
+    model: Optional[str] = typer.Option(None, help=f"zoo model name (see `spmd models`; "
+                                        f"default {DEFAULT_MODEL})"),
+    step_ref: Optional[str] = typer.Option(None, "--step", help=STEP_HELP + "; its arguments "
+                                           "may be abstract (nnx.eval_shape)"),
+    mesh: str = typer.Option(DEFAULT_MESH, help="bundled mesh name or a mesh file; planned as "
+                             "a virtual mesh"),
     method: str = typer.Option("auto", help="plan to show: auto or a hand-written one"),
     batch_size: Optional[int] = typer.Option(None, help="global batch size (model default)"),
     time_limit: float = typer.Option(DEFAULT_TIME_LIMIT, help="seconds the sharding search may take"),
@@ -140,18 +262,14 @@ def plan_cmd(
     """Plan without running anything: any mesh, even a cluster you do not have."""
     import spmd
 
+    _check_step_options(model, step_ref, batch_size)
     device_mesh = spmd.load_mesh(mesh, virtual=True)
-    from flax import nnx
-
-    spec = _model(model)
-    size = batch_size or spec.default_batch_size
-
-    abstract_model, abstract_opt = nnx.eval_shape(spec.training_state)
-    abstract_batch = jax_abstract(spec.batch, size)
+    step_fn, args, title = _abstract_step(model, step_ref, batch_size)
     options = spmd.SearchOptions(time_limit=time_limit, memory_budget=memory_budget)
-    plan = spmd.plan(spec.train_step, abstract_model, abstract_opt, abstract_batch,
-                     mesh=device_mesh, method=method, options=options)
-    typer.echo(f"model {spec.name}: {spec.param_count():,} parameters, global batch {size}")
+    with _working(f"planning {step_ref or model or DEFAULT_MODEL} on {device_mesh.name} "
+                  f"({method})"):
+        plan = spmd.plan(step_fn, *args, mesh=device_mesh, method=method, options=options)
+    typer.echo(title)
     typer.echo(plan.describe())
     if save:
         plan.save(save)
@@ -160,9 +278,11 @@ def plan_cmd(
 
 @app.command()
 def compare(
-    model: str = typer.Option(DEFAULT_MODEL, help="model name (see `spmd models`)"),
-    mesh: Path = typer.Option(Path(DEFAULT_MESH), help="mesh file; compiled on as many "
-                              "simulated CPU devices"),
+    model: Optional[str] = typer.Option(None, help=f"zoo model name (see `spmd models`; "
+                                        f"default {DEFAULT_MODEL})"),
+    step_ref: Optional[str] = typer.Option(None, "--step", help=STEP_HELP),
+    mesh: str = typer.Option(DEFAULT_MESH, help="bundled mesh name or a mesh file; compiled "
+                             "on as many simulated CPU devices"),
     batch_size: Optional[int] = typer.Option(None, help="global batch size (model default)"),
     time_limit: float = typer.Option(DEFAULT_TIME_LIMIT, help="seconds the sharding search may take"),
     output_json: Optional[Path] = typer.Option(None, help="write the comparison here"),
@@ -170,20 +290,18 @@ def compare(
     """Auto beside every hand-written plan, each compiled: predicted and measured, judged."""
     import spmd
     from spmd.analysis import verify
-    from spmd.cluster.mesh import set_cpu_device_count
+    from spmd.cluster.devices import set_cpu_device_count
 
+    _check_step_options(model, step_ref, batch_size)
     device_mesh = spmd.load_mesh(mesh, virtual=True)
-    set_cpu_device_count(device_mesh.size)  # compiled, not run: as many CPU devices
-    from flax import nnx
-
-    spec = _model(model)
-    size = batch_size or spec.default_batch_size
-
-    args = (*nnx.eval_shape(spec.training_state), jax_abstract(spec.batch, size))
-    record = verify.compare(spec.train_step, *args, mesh=device_mesh,
-                            options=spmd.SearchOptions(time_limit=time_limit))
-    typer.echo(f"model {spec.name}: {spec.param_count():,} parameters, global batch {size}; "
-               f"{device_mesh.describe()}")
+    # compiled, not run: on as many simulated CPU devices
+    set_cpu_device_count(device_mesh.size, f"`spmd compare` on mesh {device_mesh.name!r}")
+    step_fn, args, title = _abstract_step(model, step_ref, batch_size)
+    with _working(f"planning and compiling every plan of {step_ref or model or DEFAULT_MODEL} "
+                  f"on {device_mesh.name}"):
+        record = verify.compare(step_fn, *args, mesh=device_mesh,
+                                options=spmd.SearchOptions(time_limit=time_limit))
+    typer.echo(f"{title}; {device_mesh.describe()}")
     typer.echo(verify.describe(record))
     if output_json is not None:
         output_json.write_text(json.dumps(record, indent=1, default=str))
@@ -199,7 +317,7 @@ def jax_abstract(make_batch, size: int):
 @app.command()
 def models() -> None:
     """List the model zoo."""
-    import models as zoo
+    from spmd import zoo
     from rich.console import Console
     from rich.table import Table
 
@@ -214,15 +332,20 @@ def models() -> None:
 
 
 @app.command()
-def meshes(directory: Path = typer.Option(Path("meshes"), help="folder of mesh files")) -> None:
-    """List the mesh files in a folder."""
+def meshes(directory: Optional[Path] = typer.Option(
+        None, help="also list the mesh files (*.yaml) in this folder")) -> None:
+    """List the bundled meshes (use them by name: --mesh cpu-8), and your own in a folder."""
     import spmd
+    from spmd.cluster.mesh import bundled_meshes
 
-    files = sorted(directory.glob("*.yaml"))
-    if not files:
-        _fail(f"no mesh files (*.yaml) in {directory}")
-    for path in files:
-        typer.echo(f"{path}: {spmd.load_mesh(path, virtual=True).describe()}")
+    for name, path in bundled_meshes().items():
+        typer.echo(f"{name}: {spmd.load_mesh(path, virtual=True).describe()}")
+    if directory is not None:
+        files = sorted(directory.glob("*.yaml"))
+        if not files:
+            _fail(f"--directory {directory}: no mesh files (*.yaml) there")
+        for path in files:
+            typer.echo(f"{path}: {spmd.load_mesh(path, virtual=True).describe()}")
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -233,7 +356,7 @@ def launch(
 ) -> None:
     """Start N local processes of a command, joined by jax.distributed (testing multi-host).
 
-    Example: spmd launch -n 2 -- spmd run --mesh meshes/cpu-2x4.yaml
+    Example: spmd launch -n 2 -- spmd run --mesh cpu-2x4
     """
     from spmd.cluster.distributed import launch_local
 
@@ -244,23 +367,24 @@ def launch(
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    """Console entry point: user errors become one line on stderr, exit status 2."""
+    """Console entry point. User errors, spmd's and the command line's own (an unknown option
+    or command, a bad value), become one line on stderr and exit status 2; no arguments show
+    the help."""
+    args = sys.argv[1:] if argv is None else list(argv)
     try:
-        code = app(args=argv, standalone_mode=False)  # click returns Exit's code here
+        code = app(args=args or ["--help"], prog_name="spmd", standalone_mode=False)
     except SpmdError as err:
-        typer.secho(f"error: {err}", err=True, fg=typer.colors.RED)
+        _error(str(err))
         sys.exit(2)
     except typer.Exit as done:
         sys.exit(done.exit_code)
-    except Exception as err:  # click's usage errors
-        import click
-
-        if isinstance(err, click.exceptions.ClickException):
-            err.show()
-            sys.exit(err.exit_code)
-        if isinstance(err, click.exceptions.Abort):
-            sys.exit(1)
-        raise
+    except typer.Abort:
+        sys.exit(1)
+    except typer.TyperException as err:  # usage errors (exit_code 2), raised unprinted here
+        ctx = getattr(err, "ctx", None)
+        hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+        _error(f"{err.format_message().rstrip('.')}{hint}")
+        sys.exit(err.exit_code)
     sys.exit(code or 0)
 
 

@@ -22,11 +22,11 @@ def traced_zoo_step(name: str, batch: int = 8, **config):
     import jax
     from flax import nnx
 
-    import models
+    from spmd import zoo
     from spmd.trace.graph import build_graph
     from spmd.trace.signature import StepSignature
 
-    spec = models.get(name)
+    spec = zoo.get(name)
     if config:
         spec = spec.with_config(**config)
 

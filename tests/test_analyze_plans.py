@@ -41,7 +41,7 @@ def _report(mesh, method):
 
 @pytest.fixture(scope="module")
 def mesh():
-    return spmd.load_mesh("meshes/cpu-8.yaml")
+    return spmd.load_mesh("cpu-8")
 
 
 def test_dp_is_one_gradient_all_reduce_and_no_gather(mesh):

@@ -39,18 +39,18 @@ def test_zero_plan_is_scored():
     """ZeRO: replicated parameters, optimizer state split over both axes of one dim, each
     output back in its input's spec (the update of a parameter and of its state cannot share
     one choice)."""
-    import models
+    from spmd import zoo
     from flax import nnx
     from spmd.planner import SearchOptions, score_manual
     from spmd.trace.signature import StepSignature
 
-    spec = models.get("mlp-tiny")
+    spec = zoo.get("mlp-tiny")
 
     am, ao = nnx.eval_shape(spec.training_state)
     from spmd.manual import manual_specs
 
     sig = StepSignature(spec.train_step, (am, ao, spec.batch(spec.default_batch_size, 0)))
-    mesh = spmd.load_mesh("meshes/cpu-8.yaml")
+    mesh = spmd.load_mesh("cpu-8")
     res = score_manual(sig, mesh, "zero", SearchOptions(time_limit=2.0))
     specs = dict(zip((leaf.path for leaf in sig.leaves), manual_specs(sig.leaves, "zero", mesh)))
     params = [leaf for leaf in sig.leaves if leaf.kind == "param"]
@@ -156,13 +156,13 @@ def test_every_consumer_of_a_resharded_value_is_constrained():
     its constraint: left without one, XLA partitioned a second weight-gradient dot its own
     way and gathered both operands over all devices (gpt-1.3b cut to 8 layers on 16 A100s:
     25 unplanned all-gathers of the whole activation, 58% more bytes than predicted)."""
-    import models
+    from spmd import zoo
     from flax import nnx
     from spmd.trace.graph import build_graph, operand_key
     from spmd.planner import SearchOptions, score_manual
     from spmd.trace.signature import StepSignature
 
-    spec = models.get("gpt-tiny")
+    spec = zoo.get("gpt-tiny")
 
     am, ao = nnx.eval_shape(spec.training_state)
     sig = StepSignature(spec.train_step, (am, ao, spec.batch(8, 0)))

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import models
+from spmd import zoo
 import spmd
 
-TINY = models.get("gpt-tiny")
+TINY = zoo.get("gpt-tiny")
 
 
-def _pair(num_layers: int) -> tuple[models.ModelSpec, models.ModelSpec]:
+def _pair(num_layers: int) -> tuple[zoo.ModelSpec, zoo.ModelSpec]:
     """(unrolled, scanned) gpt-tiny with `num_layers` blocks."""
     unrolled = TINY.with_config(num_layers=num_layers)
     return unrolled, unrolled.with_config(scan_layers=True)
@@ -33,7 +33,7 @@ def _stack_blocks(tree: dict) -> dict:
     return {**tree, "blocks": stacked}
 
 
-def _scanned_copy(unrolled: nnx.Module, scan_spec: models.ModelSpec) -> nnx.Module:
+def _scanned_copy(unrolled: nnx.Module, scan_spec: zoo.ModelSpec) -> nnx.Module:
     """A scan model holding `unrolled`'s params; its variables keep their own metadata."""
     model = scan_spec.create()
     state = nnx.state(model)
@@ -86,10 +86,10 @@ def test_layers_initialize_independently():
 
 @pytest.fixture(scope="module")
 def mesh() -> spmd.DeviceMesh:
-    return spmd.load_mesh("meshes/cpu-8.yaml")
+    return spmd.load_mesh("cpu-8")
 
 
-def _create(spec: models.ModelSpec) -> tuple[nnx.Module, nnx.Optimizer]:
+def _create(spec: zoo.ModelSpec) -> tuple[nnx.Module, nnx.Optimizer]:
     model = spec.create()
     return model, spec.optimizer(model)
 

@@ -11,7 +11,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "spmd"
 #: each module may import only from its own layer or those before it
 LAYERS = [
     {"spmd.errors", "spmd.sharding", "spmd.options", "spmd.timing", "spmd.dtypes"},
-    {"spmd.cluster.hardware", "spmd.cluster.mesh", "spmd.cluster.distributed"},
+    {"spmd.cluster.hardware", "spmd.cluster.devices", "spmd.cluster.mesh",
+     "spmd.cluster.distributed"},
     {"spmd.trace.graph", "spmd.trace.interpret", "spmd.trace.signature", "spmd.trace.layers",
      "spmd.trace.regions"},
     {"spmd.cost.partitioner"},  # what XLA emits: the rules ask it which collective
@@ -28,7 +29,8 @@ LAYERS = [
     {"spmd.api"},
     {"spmd.checkpoint"},  # a step's state on disk, restored into any plan's shardings
     {"spmd.analysis.verify"},
-    {"spmd.cli", "spmd"},
+    {"spmd.zoo"},  # the repository's models/ folder: Flax models, importing no spmd layer
+    {"spmd.user_step", "spmd.cli", "spmd"},
 ]
 
 

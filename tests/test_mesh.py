@@ -5,21 +5,40 @@ from pathlib import Path
 import pytest
 
 import spmd
+from spmd.cluster.mesh import bundled_meshes
 from spmd.errors import MeshError
 
-MESHES = sorted(Path(__file__).parent.parent.joinpath("meshes").glob("*.yaml"))
 
-
-@pytest.mark.parametrize("path", MESHES, ids=lambda p: p.stem)
-def test_every_shipped_mesh_loads(path):
-    mesh = spmd.load_mesh(path, virtual=True)
+@pytest.mark.parametrize("name", bundled_meshes())
+def test_every_shipped_mesh_loads(name):
+    mesh = spmd.load_mesh(name, virtual=True)
     assert mesh.size == mesh.hosts * (mesh.size // mesh.hosts)
     assert set(mesh.links) == set(mesh.axis_names)
     assert mesh.device.memory_bytes > 0
 
 
+def test_bundled_meshes_load_by_name_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert spmd.load_mesh("cpu-8.yaml", virtual=True).name == "cpu-8"
+    assert {"cpu-8", "cpu-2x4", "a100-2x8", "a100-8x8"} <= set(bundled_meshes())
+
+
+def test_a_file_of_the_same_name_wins_over_the_bundled_one(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a100-8.yaml").write_text(GOOD + "name: mine\n")
+    assert spmd.load_mesh("a100-8.yaml", virtual=True).name == "mine"
+    assert spmd.load_mesh("a100-8", virtual=True).name == "a100-8"  # no such file: bundled
+
+
+@pytest.mark.parametrize("given", ["cpu-9", "no/such/cpu-8.yaml"])
+def test_unknown_mesh_names_what_was_given_and_the_bundled_names(given):
+    with pytest.raises(MeshError, match=f"{given}: no such mesh file, nor a bundled mesh "
+                                        "name; bundled: a100-2x8, .*cpu-8"):
+        spmd.load_mesh(given)
+
+
 def test_inner_axes_get_the_fast_link():
-    mesh = spmd.load_mesh("meshes/a100-2x8.yaml", virtual=True)
+    mesh = spmd.load_mesh("a100-2x8", virtual=True)
     assert mesh.shape == {"data": 2, "model": 8}
     assert mesh.links["model"].bandwidth == 300e9  # NVLink inside a host
     assert mesh.links["data"].bandwidth == 25e9  # InfiniBand between hosts
@@ -29,7 +48,7 @@ def test_inner_axes_get_the_fast_link():
 def test_cpu_mesh_gives_jax_mesh_with_auto_axes():
     from jax.sharding import AxisType
 
-    mesh = spmd.load_mesh("meshes/cpu-8.yaml")
+    mesh = spmd.load_mesh("cpu-8")
     jm = mesh.jax_mesh()
     assert dict(jm.shape) == {"data": 2, "model": 4}
     assert all(t == AxisType.Auto for t in jm.axis_types)
@@ -78,18 +97,68 @@ def test_bad_mesh_files_name_file_and_key(tmp_path, text, message):
     assert str(path) in str(err.value)
 
 
-def test_size_mismatch_names_both_numbers(tmp_path):
-    path = _write(tmp_path, GOOD.replace("a100-40gb", "cpu") + "platform: cpu\n"
-                  .replace("axes: {data: 2, model: 4}", ""))
-    text = path.read_text().replace("axes: {data: 2, model: 4}", "axes: {data: 2, model: 2}")
-    path.write_text(text)
-    with pytest.raises(MeshError, match="needs 4 CPU devices but jax already started with 8"):
+def _cpu_mesh(tmp_path, devices):
+    return _write(tmp_path, GOOD.replace("a100-40gb", "cpu").replace(
+        "axes: {data: 2, model: 4}", f"axes: {{data: 2, model: {devices // 2}}}\nplatform: cpu"))
+
+
+def test_size_mismatch_names_both_numbers(tmp_path, monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")  # no count asked
+    path = _cpu_mesh(tmp_path, 4)
+    with pytest.raises(MeshError, match=f"mesh 'm' \\(from {path}\\) needs 4 CPU devices but "
+                                        "jax already started with 8"):
         spmd.load_mesh(path)
 
 
+@pytest.mark.parametrize("flags", ["--xla_force_host_platform_device_count=2",
+                                   "--xla_force_host_platform_device_count=16 --foo=1"])
+def test_a_different_count_in_xla_flags_is_refused_not_overridden(tmp_path, monkeypatch, flags):
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    want = flags.split()[0].split("=")[1]
+    with pytest.raises(MeshError, match=f"mesh 'cpu-8' .* needs 8 CPU devices but XLA_FLAGS sets "
+                                        f"--xla_force_host_platform_device_count={want}; set it "
+                                        "to 8, or remove it"):
+        spmd.load_mesh("cpu-8")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    assert spmd.load_mesh("cpu-8").size == 8  # the same count is fine
+
+
 def test_gpu_mesh_on_cpu_box_is_refused_unless_virtual():
-    mesh = spmd.load_mesh("meshes/a100-8.yaml", virtual=False)
-    with pytest.raises(MeshError, match="needs 8 gpu devices .* sees 0 gpu"):
-        mesh.jax_mesh()
-    virtual = spmd.load_mesh("meshes/a100-8.yaml", virtual=True)
+    with pytest.raises(MeshError, match="mesh 'a100-8' .* is for 8 GPUs but no GPU is present "
+                                        "\\(JAX_PLATFORMS is 'cpu'\\); .*virtual=True.*spmd plan"):
+        spmd.load_mesh("a100-8", virtual=False)
+    virtual = spmd.load_mesh("a100-8", virtual=True)
     assert virtual.jax_mesh().devices.size == 8  # compile-only checks on simulated devices
+
+
+def test_gpu_mesh_made_in_code_is_refused_where_a_plan_needs_its_devices():
+    mesh = spmd.make_mesh({"data": 8}, device="a100-40gb")  # pricing it needs no GPU
+    assert mesh.platform == "gpu" and not mesh.virtual
+    with pytest.raises(MeshError, match="needs 8 gpu devices .* sees 0 gpu device\\(s\\); no GPU "
+                                        "is present; to plan for it here, load it with virtual"):
+        mesh.sharding_mesh()
+    assert spmd.make_mesh({"data": 64}, device="a100-40gb", virtual=True).sharding_mesh().size == 64
+
+
+def test_gpu_check_starts_no_backend(tmp_path):
+    """Without JAX_PLATFORMS, the check reads the installed plugins (none on a CPU box), and
+    a CPU mesh loaded after it still gets its device count."""
+    import importlib.metadata
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if (importlib.util.find_spec("jax_plugins") is not None
+            or importlib.metadata.entry_points(group="jax_plugins")):
+        pytest.skip("a jax GPU plugin is installed here")
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
+    code = ("import jax, spmd\n"
+            "try:\n    spmd.load_mesh('a100-8')\nexcept spmd.MeshError as err:\n    print(err)\n"
+            "spmd.load_mesh('cpu-8'); print(len(jax.devices()))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "no GPU is present (no jax GPU plugin is installed" in done.stdout
+    assert done.stdout.split()[-1] == "8"

@@ -1,4 +1,4 @@
-"""Tests for the model zoo (`models/`): registry, logical names, batches, training, MoE gating.
+"""Tests for the model zoo (`models/`, installed as `spmd.zoo`): registry, logical names, batches, training, MoE gating.
 
 Big sizes are only ever built abstractly (`nnx.eval_shape`); anything that runs uses the
 tiny sizes, so the file stays well under a minute on two CPU cores.
@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import models
-from models import moe
+from spmd import zoo
+from spmd.zoo import moe
 
-TINY = [n for n in models.names() if n.endswith("-tiny")]
+TINY = [n for n in zoo.names() if n.endswith("-tiny")]
 # Config variants whose names and optimizer state are checked like the registered models'.
-VARIANTS = {"gpt-tiny-scan": models.get("gpt-tiny").with_config(scan_layers=True)}
+VARIANTS = {"gpt-tiny-scan": zoo.get("gpt-tiny").with_config(scan_layers=True)}
 LOGICAL_NAMES = {
     "embed", "mlp", "heads", "kv", "vocab", "pos", "expert", "conv_in", "conv_out", "classes",
     "layers",
@@ -37,9 +37,9 @@ GPT_NOMINAL = {
 }
 
 
-def _spec(name: str) -> models.ModelSpec:
+def _spec(name: str) -> zoo.ModelSpec:
     """A registered model or one of `VARIANTS`."""
-    return VARIANTS[name] if name in VARIANTS else models.get(name)
+    return VARIANTS[name] if name in VARIANTS else zoo.get(name)
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,7 +57,7 @@ def _specs(state: nnx.State) -> dict[tuple, tuple]:
     return {p: tuple(v.get_value()) for p, v in nnx.to_flat_state(nnx.get_partition_spec(state))}
 
 
-def _model_and_optimizer(spec: models.ModelSpec) -> tuple[nnx.Module, nnx.Optimizer]:
+def _model_and_optimizer(spec: zoo.ModelSpec) -> tuple[nnx.Module, nnx.Optimizer]:
     model = spec.create()
     return model, spec.optimizer(model)
 
@@ -67,7 +67,7 @@ def trained():
     """Loss per step for 5 jitted AdamW steps on each tiny model's default batch."""
     out = {}
     for name in TINY:
-        spec = models.get(name)
+        spec = zoo.get(name)
         model = spec.create()
         opt = spec.optimizer(model)
         batch = spec.batch(spec.default_batch_size)
@@ -80,22 +80,22 @@ def trained():
 
 
 def test_names_cover_every_family():
-    names = models.names()
+    names = zoo.names()
     assert len(names) == len(set(names))
     for expected in ["gpt-tiny", "gpt-125m", "gpt-13b", "mlp-tiny", "moe-tiny", "wresnet-tiny"]:
         assert expected in names
-    assert {models.get(n).family for n in names} == {"gpt", "mlp", "moe", "wresnet"}
+    assert {zoo.get(n).family for n in names} == {"gpt", "mlp", "moe", "wresnet"}
 
 
 def test_unknown_name_lists_valid_names():
-    with pytest.raises(models.UnknownModelError, match="gpt-tiny") as info:
-        models.get("gpt-7")
+    with pytest.raises(zoo.UnknownModelError, match="gpt-tiny") as info:
+        zoo.get("gpt-7")
     assert isinstance(info.value, ValueError)
 
 
-@pytest.mark.parametrize("name", models.names())
+@pytest.mark.parametrize("name", zoo.names())
 def test_spec_fields(name):
-    spec = models.get(name)
+    spec = zoo.get(name)
     assert spec.name == name and name.startswith(spec.family + "-")
     assert spec.default_batch_size > 0 and spec.default_batch_size % 8 == 0
     if spec.unit == "tokens":
@@ -104,7 +104,7 @@ def test_spec_fields(name):
         assert spec.unit == "samples" and spec.items_per_batch(8) == 8
 
 
-@pytest.mark.parametrize("name", models.names())
+@pytest.mark.parametrize("name", zoo.names())
 def test_every_model_builds_abstractly(name):
     abstract = _abstract(name)
     leaves = jax.tree.leaves(nnx.state(abstract))
@@ -112,7 +112,7 @@ def test_every_model_builds_abstractly(name):
     params = jax.tree.leaves(nnx.state(abstract, nnx.Param))
     assert all(x.dtype == jnp.float32 for x in params)
     if name in GPT_NOMINAL or name.endswith("-tiny"):  # param_count builds it again
-        assert models.get(name).param_count() == sum(math.prod(x.shape) for x in params)
+        assert zoo.get(name).param_count() == sum(math.prod(x.shape) for x in params)
 
 
 @pytest.mark.parametrize("name", sorted(GPT_NOMINAL))
@@ -123,7 +123,7 @@ def test_gpt_param_counts_match_nominal(name):
 
 
 def test_with_config_overrides_and_validates():
-    spec = models.get("gpt-tiny")
+    spec = zoo.get("gpt-tiny")
     deeper = spec.with_config(num_layers=4, dtype=jnp.bfloat16)
     assert deeper.config.num_layers == 4 and deeper.config.dtype == "bfloat16"
     assert spec.config.num_layers == 2  # the registered spec is untouched
@@ -136,7 +136,7 @@ def test_with_config_overrides_and_validates():
     with pytest.raises(ValueError, match="scan_layers"):
         spec.with_config(scan_layers="yes")
     with pytest.raises(ValueError):
-        models.get("wresnet-tiny").with_config(depth=11)
+        zoo.get("wresnet-tiny").with_config(depth=11)
 
 
 # --- logical names --------------------------------------------------------------------
@@ -195,7 +195,7 @@ def test_moe_expert_weights_have_expert_dim():
 
 @pytest.mark.parametrize("name", TINY)
 def test_batch_is_deterministic(name):
-    spec = models.get(name)
+    spec = zoo.get(name)
     n = spec.default_batch_size  # the shape the training fixture compiles too
     a, b, c = spec.batch(n, seed=0), spec.batch(n, seed=0), spec.batch(n, seed=1)
     assert a.keys() == b.keys()
@@ -207,7 +207,7 @@ def test_batch_is_deterministic(name):
 
 def test_create_is_pure_and_jittable():
     """spmd initializes with jax.jit(lambda: nnx.split(create())[1]); it must match eager."""
-    spec = models.get("mlp-tiny")
+    spec = zoo.get("mlp-tiny")
     eager = nnx.state(spec.create(seed=3))
     jitted = jax.jit(lambda: nnx.split(spec.create(seed=3))[1])()
     for x, y in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted), strict=True):
@@ -244,7 +244,7 @@ def test_wresnet_train_step_updates_batch_stats(trained):
 
 
 def test_bfloat16_compute_gives_fp32_loss():
-    spec = models.get("gpt-tiny").with_config(dtype="bfloat16")
+    spec = zoo.get("gpt-tiny").with_config(dtype="bfloat16")
     model = spec.create()
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     loss = nnx.jit(spec.loss)(model, spec.batch(8))
@@ -274,6 +274,6 @@ def test_top2_dispatch_respects_capacity():
 
 
 def test_moe_capacity_formula():
-    config = models.get("moe-tiny").config
+    config = zoo.get("moe-tiny").config
     assert config.capacity == math.ceil(config.capacity_factor * config.seq_len * 2 / config.num_experts)
     assert moe.expert_capacity(32, 8, 2.0) == 16

@@ -16,7 +16,7 @@ def test_two_processes_match_one_process(tmp_path, capsys):
     env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
     multi = tmp_path / "multi.json"
     run = [sys.executable, "-m", "spmd.cli", "run", "--model", "gpt-tiny", "--method", "dp_tp",
-           "--steps", "3", "--mesh", str(ROOT / "meshes/cpu-2x4.yaml")]
+           "--steps", "3", "--mesh", "cpu-2x4"]
     launched = subprocess.run(
         [sys.executable, "-m", "spmd.cli", "launch", "-n", "2", "--", *run,
          "--output-json", str(multi)],
@@ -27,7 +27,7 @@ def test_two_processes_match_one_process(tmp_path, capsys):
     single = tmp_path / "single.json"
     try:
         main(["run", "--model", "gpt-tiny", "--method", "dp_tp", "--steps", "3",
-              "--mesh", str(ROOT / "meshes/cpu-8.yaml"), "--output-json", str(single)])
+              "--mesh", "cpu-8", "--output-json", str(single)])
     except SystemExit as done:
         assert done.code == 0
     capsys.readouterr()

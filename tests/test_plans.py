@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import models
+from spmd import zoo
 import spmd
 from spmd.manual import METHODS, applicable_methods
 
@@ -14,7 +14,7 @@ TINY = ["gpt-tiny", "mlp-tiny", "moe-tiny", "wresnet-tiny"]
 
 @pytest.fixture(scope="module")
 def mesh():
-    return spmd.load_mesh("meshes/cpu-8.yaml")
+    return spmd.load_mesh("cpu-8")
 
 
 def _value_and_grad(spec):
@@ -45,7 +45,7 @@ FAST_SEARCH = spmd.SearchOptions(compare=False, time_limit=5.0)
 @pytest.mark.parametrize("method", ["auto", *METHODS])
 @pytest.mark.parametrize("name", TINY)
 def test_loss_and_gradients_match_one_device(mesh, name, method):
-    spec = models.get(name)
+    spec = zoo.get(name)
     batch = spec.batch(spec.default_batch_size, 0)
     grads_fn = _value_and_grad(spec)
     abstract = nnx.eval_shape(lambda: spec.create(0))
@@ -69,7 +69,7 @@ def test_loss_and_gradients_match_one_device(mesh, name, method):
 
 @pytest.mark.parametrize("method", ["fsdp_tp", "zero"])
 def test_state_keeps_its_sharding_across_steps(mesh, method):
-    spec = models.get("gpt-tiny")
+    spec = zoo.get("gpt-tiny")
     batch = spec.batch(spec.default_batch_size, 0)
 
     abstract_model, abstract_opt = nnx.eval_shape(spec.training_state)

@@ -60,7 +60,7 @@ def test_more_layers_than_the_graph_has_quiet_gaps_still_cuts_every_layer():
 
 def test_a_layer_range_on_a_submesh_compiles_as_predicted_and_repeats_from_the_cache(gpt4):
     sig, graph = gpt4
-    mesh = spmd.load_mesh("meshes/cpu-8.yaml")  # data=2 x model=4, 8 CPU devices
+    mesh = spmd.load_mesh("cpu-8")  # data=2 x model=4, 8 CPU devices
     sub = mesh.submesh({"data": 1})
     assert sub.shape == {"data": 1, "model": 4} and sub.device_ids == (0, 1, 2, 3)
     assert sub.links == mesh.links

@@ -55,10 +55,10 @@ def test_unmeetable_budget_states_the_least_memory():
 
 def test_solver_timeout_warns_and_still_plans():
     mesh = spmd.make_mesh({"data": 2, "model": 4}, virtual=True)
-    import models
+    from spmd import zoo
     from flax import nnx
 
-    spec = models.get("gpt-tiny")
+    spec = zoo.get("gpt-tiny")
     grads = lambda m, b: nnx.value_and_grad(spec.loss)(m, b)  # noqa: E731
     options = spmd.SearchOptions(time_limit=0.05, cache=False, compare=False)
     with pytest.warns(UserWarning, match="reached its time limit") as caught:

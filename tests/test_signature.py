@@ -7,7 +7,7 @@ import optax
 import pytest
 from flax import nnx
 
-import models
+from spmd import zoo
 from spmd.errors import PlanError
 from spmd.trace.signature import StepSignature
 
@@ -43,7 +43,7 @@ def test_pure_step_leaves_kinds_and_aliases():
 
 
 def test_nnx_step_reads_logical_names_and_writes_state_back():
-    spec = models.get("mlp-tiny")
+    spec = zoo.get("mlp-tiny")
     model = spec.create(0)
     opt = spec.optimizer(model)
     batch = spec.batch(spec.default_batch_size, 0)

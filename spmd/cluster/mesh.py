@@ -5,6 +5,8 @@ A mesh file (YAML) describes a cluster: hosts, devices per host, the link inside
 the link it actually crosses, so the fastest links serve the innermost axes. A mesh may be
 *virtual*: a description of a cluster that is not present, used for planning and for
 compile-only checks on as many simulated CPU devices.
+
+The mesh files shipped with spmd (``spmd/meshes/*.yaml``) load by name: ``load_mesh("cpu-8")``.
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ import numpy as np
 import yaml
 
 from spmd.errors import MeshError
+from spmd.cluster.devices import CPU_COUNT_FLAG, NO_GPU_ADVICE, gpu_absence, set_cpu_device_count
 from spmd.cluster.hardware import DeviceSpec, device_spec
 
 PLATFORMS = ("cpu", "gpu")
+#: the mesh files shipped inside the package, loaded by name (``cpu-8``, ``a100-2x8``)
+BUNDLED_DIR = Path(__file__).resolve().parent.parent / "meshes"
 _TOP_KEYS = {
     "name", "device", "platform", "hosts", "devices_per_host", "links", "axes", "virtual",
     "distributed",
@@ -139,10 +144,14 @@ class DeviceMesh:
 
     def sharding_mesh(self):
         """The jax mesh shardings of a plan refer to: the concrete one when this process has
-        its devices, else the abstract one (planning for a cluster that is not here)."""
+        its devices, else, for a virtual mesh, the abstract one (planning for a cluster that
+        is not here). A mesh that is not virtual must have its devices: without them its
+        plan could not run, so this is the first place that says so (MeshError)."""
         try:
             return self.jax_mesh()
         except MeshError:
+            if not self.virtual:
+                raise
             return self.abstract_mesh()
 
     def abstract_mesh(self):
@@ -170,10 +179,12 @@ class DeviceMesh:
         whole = self.device_ids is None and not self.virtual
         if len(devices) <= max(ids) or (whole and len(devices) != self.size):
             have = f"{len(devices)} {backend} device(s)"
-            hint = (
-                f"start the process with XLA_FLAGS=--xla_force_host_platform_device_count={self.size}"
-                if backend == "cpu" else "run on a cluster of that size, or load it with virtual=True"
-            )
+            if backend == "cpu":
+                hint = f"start the process with XLA_FLAGS={CPU_COUNT_FLAG}={self.size}"
+            elif not devices:
+                hint = f"no GPU is present; {NO_GPU_ADVICE}"
+            else:
+                hint = "run on a cluster of that size, or load it with virtual=True"
             raise MeshError(
                 f"mesh {self.name!r}{_from(self.source)} needs {self.size} {backend} devices "
                 f"(axes {self.shape}) but this process sees {have}; {hint}"
@@ -237,12 +248,43 @@ def _axis_links(names: tuple[str, ...], sizes: tuple[int, ...], devices_per_host
     return links
 
 
+def bundled_meshes() -> dict[str, Path]:
+    """The mesh files shipped with spmd, by name (the file's stem), sorted.
+
+    >>> "cpu-8" in bundled_meshes()
+    True
+    """
+    return {p.stem: p for p in sorted(BUNDLED_DIR.glob("*.yaml"))}
+
+
+def mesh_file(name_or_path: str | os.PathLike) -> Path:
+    """The file a mesh argument names: an existing path, else a bundled mesh's name (with or
+    without ``.yaml``), so ``--mesh cpu-8`` works from any directory.
+
+    Raises:
+      MeshError: neither a file nor a bundled name; the message lists the bundled names.
+    """
+    path = Path(name_or_path)
+    if path.exists():
+        return path
+    bundled = bundled_meshes()
+    name = path.name.removesuffix(".yaml")
+    if path.parent == Path(".") and name in bundled:
+        return bundled[name]
+    raise MeshError(f"{name_or_path}: no such mesh file, nor a bundled mesh name; bundled: "
+                    f"{', '.join(bundled)} (see `spmd meshes`)")
+
+
 def load_mesh(path: str | os.PathLike, virtual: bool | None = None) -> DeviceMesh:
-    """Read a mesh file. ``virtual`` overrides the file's own ``virtual:`` key.
+    """Read a mesh file, or a bundled mesh by name (``"cpu-8"``, ``"a100-2x8"``; see
+    ``bundled_meshes``). ``virtual`` overrides the file's own ``virtual:`` key.
 
     A CPU mesh sets the simulated device count itself, when jax's backend has not started yet.
+
+    >>> load_mesh("a100-2x8", virtual=True).shape
+    {'data': 2, 'model': 8}
     """
-    path = Path(path)
+    path = mesh_file(path)
     where = str(path)
     try:
         text = path.read_text()
@@ -313,9 +355,14 @@ def load_mesh(path: str | os.PathLike, virtual: bool | None = None) -> DeviceMes
         name=str(raw.get("name", path.stem)), hosts=hosts, distributed=distributed,
         source=where,
     )
-    if platform == "cpu" and not mesh.virtual:
+    if mesh.virtual:
+        return mesh
+    if platform == "cpu":
         per_process = mesh.size // (distributed.num_processes if distributed else 1)
-        set_cpu_device_count(per_process)
+        set_cpu_device_count(per_process, f"mesh {mesh.name!r}{_from(where)}")
+    elif (absent := gpu_absence()) is not None:
+        raise MeshError(f"mesh {mesh.name!r}{_from(where)} is for {mesh.size} GPUs but no GPU "
+                        f"is present ({absent}); {NO_GPU_ADVICE}")
     return mesh
 
 
@@ -343,25 +390,6 @@ def _distributed(raw: Any, where: str) -> DistributedConfig | None:
     return DistributedConfig(str(raw["coordinator"]), num, pid)
 
 
-def set_cpu_device_count(count: int) -> None:
-    """Ask for ``count`` simulated CPU devices; a no-op when the backend already has that many.
-
-    Raises MeshError when jax already started with a different count, naming both numbers.
-    """
-    import jax
-
-    try:
-        jax.config.update("jax_num_cpu_devices", count)
-    except RuntimeError:
-        have = len(jax.devices("cpu"))
-        if have != count:
-            raise MeshError(
-                f"the mesh needs {count} CPU devices but jax already started with {have}; "
-                f"load the mesh before any jax computation, or set "
-                f"XLA_FLAGS=--xla_force_host_platform_device_count={count}"
-            ) from None
-
-
 def make_mesh(
     axes: Mapping[str, int],
     bandwidth: float | Mapping[str, float] = 100e9,
@@ -372,7 +400,12 @@ def make_mesh(
     virtual: bool = False,
     name: str = "mesh",
 ) -> DeviceMesh:
-    """Build a mesh in code; per-axis ``bandwidth`` (bytes/s) and ``latency`` (s) or one for all."""
+    """Build a mesh in code; per-axis ``bandwidth`` (bytes/s) and ``latency`` (s) or one for all.
+
+    Unlike ``load_mesh`` it leaves jax's CPU device count alone and asks for no devices: cost
+    code prices a GPU mesh anywhere. A mesh that is not virtual is held to its devices where
+    a plan first needs them (``sharding_mesh``).
+    """
     if not axes:
         raise MeshError("make_mesh: axes must name at least one axis, e.g. {'data': 8}")
     names = tuple(str(n) for n in axes)
