@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import models
+from spmd import zoo
 import spmd
 from spmd.cli import main
 
-SPEC = models.get("mlp-tiny")  # compiles in a second; gpt-tiny where attention's shards matter
-GPT = models.get("gpt-tiny")
+SPEC = zoo.get("mlp-tiny")  # compiles in a second; gpt-tiny where attention's shards matter
+GPT = zoo.get("gpt-tiny")
 BATCHES = [SPEC.batch(8, seed) for seed in range(6)]  # one batch per step, the same in every run
 
 
@@ -26,7 +26,7 @@ def _mesh(data: int, model: int) -> spmd.DeviceMesh:
     return spmd.make_mesh({"data": data, "model": model})
 
 
-def _step_and_plan(method: str, mesh: spmd.DeviceMesh, spec: models.ModelSpec = SPEC):
+def _step_and_plan(method: str, mesh: spmd.DeviceMesh, spec: zoo.ModelSpec = SPEC):
     step = spmd.parallelize(spec.train_step, mesh=mesh, method=method)
     return step, step.plan_for(*nnx.eval_shape(spec.training_state), spec.batch(8))
 
@@ -92,7 +92,7 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_tensor(tmp_path):
     _, plan = _step_and_plan("dp", _mesh(2, 4))
     spmd.save_checkpoint(tmp_path / "ck", *spmd.materialize(create, plan))
     before = _listing(tmp_path / "ck")
-    other = models.get("mlp-small")
+    other = zoo.get("mlp-small")
     _, other_plan = _step_and_plan("dp_tp", _mesh(1, 8), other)
     with pytest.raises(spmd.CheckpointError,
                        match=r"tensor 0/layers/0/bias is \(256,\) float32 in the checkpoint, "
