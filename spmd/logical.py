@@ -108,12 +108,14 @@ def user_pins(leaves: Sequence[Leaf], rules: Rules, mesh: DeviceMesh) -> list[Sp
 
 
 def _warn_unknown_spec_names(leaves: Sequence[Leaf], rules: Rules, mesh: DeviceMesh) -> None:
-    """PartitionSpec names that no one knows (not a mesh axis, no rule's, no hand-written
-    method's) are read as logical names that split nothing: likely a mistyped mesh axis."""
+    """PartitionSpecs in ``logical_axes`` of which no name is known (a mesh axis, a rule's or
+    a hand-written method's) split nothing at all: likely mesh axes mistyped, or rules
+    forgotten. One name unknown among known ones is a logical name left unsplit, as Flax
+    leaves it."""
+    given = {n for leaf in leaves if leaf.partition_spec is not None
+             for n in leaf.logical or () if n}
     known = set(mesh.axis_names) | {r for r, _ in rules} | vocabulary()
-    unknown = sorted({n for leaf in leaves if leaf.partition_spec is not None
-                      for n in leaf.logical or () if n and n not in known})
-    if unknown:
-        warn(f"logical_axes name {unknown}: not axes of mesh {mesh.name!r} (axes "
-             f"{list(mesh.axis_names)}) nor names any rule maps, so they split nothing; give "
+    if given and not given & known:
+        warn(f"logical_axes name {sorted(given)}: none is an axis of mesh {mesh.name!r} (axes "
+             f"{list(mesh.axis_names)}) or a name any rule maps, so they split nothing; give "
              f"mesh axes, or SearchOptions(rules=...) for them")

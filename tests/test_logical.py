@@ -75,8 +75,8 @@ def test_unknown_mesh_axis_and_indivisible_pins_are_named(mesh):
                        r"be split over mesh axes \('tensor',\) of total size 4"):
         sig = StepSignature(_step, _args(h=6), logical_axes=LOGICAL)
         user_pins(sig.leaves, normalize_rules({"mlp": "tensor"}), mesh)
-    with pytest.warns(UserWarning, match=r"logical_axes name \['dta'\]: not axes of mesh "
-                      r"'mesh' \(axes \['fsdp', 'tensor'\]\)"):  # a mistyped axis
+    with pytest.warns(UserWarning, match=r"logical_axes name \['dta'\]: none is an axis of "
+                      r"mesh 'mesh' \(axes \['fsdp', 'tensor'\]\)"):  # a mistyped axis
         assert _pins(mesh, None, {"w1": P("dta"), "w2": None})["params/w1"] is None
     with pytest.raises(spmd.PlanError, match=r"params/w1: mesh axis 'fsdp' splits dimensions "
                        r"0 and 1"):

@@ -10,7 +10,7 @@ from flax import nnx
 import spmd
 from tests import flax_examples as ex
 
-FAST = spmd.SearchOptions(cache=False, compare=False, time_limit=3.0)
+FAST = spmd.SearchOptions(cache=False, compare=False, time_limit=2.0)
 STEPS = 3
 
 
@@ -36,13 +36,19 @@ def _close(got, want, what, atol=1e-5):
                                    err_msg=f"{what} {jax.tree_util.keystr(path)}")
 
 
+_REFERENCE: dict = {}
+
+
 def _nnx_reference(create, step_fn, batch):
-    """Losses and final state of the same step on one device (jit places it on device 0)."""
-    with nnx.use_eager_sharding(False):
-        nodes = create()
-    step = nnx.jit(step_fn)
-    losses = [float(step(*nodes, batch)["loss"]) for _ in range(STEPS)]
-    return losses, nnx.state(nodes[0])
+    """Losses and final model state of the same step on one device (jit places it on device
+    0), computed once per model for all its cases."""
+    if create not in _REFERENCE:
+        with nnx.use_eager_sharding(False):
+            nodes = create()
+        step = nnx.jit(step_fn)
+        losses = [float(step(*nodes, batch)["loss"]) for _ in range(STEPS)]
+        _REFERENCE[create] = losses, nnx.state(nodes[0])
+    return _REFERENCE[create]
 
 
 def _nnx_run(create, step_fn, batch, mesh, method, options):
@@ -75,7 +81,7 @@ def test_nnx_lm_under_its_own_rules_and_mesh_axes(user_mesh, method):
     """The user's rules (MaxText-style lists naming "fsdp" and "tensor") pin what they name,
     under auto with the hand-written plans compared (compare=True) and under dp alike."""
     batch = ex.lm_batch()
-    options = spmd.SearchOptions(cache=False, time_limit=3.0, rules=ex.NNX_RULES)
+    options = spmd.SearchOptions(cache=False, time_limit=2.0, rules=ex.NNX_RULES)
     want_losses, want_state = _nnx_reference(ex.nnx_lm_state, ex.nnx_lm_step, batch)
     losses, state, plan = _nnx_run(ex.nnx_lm_state, ex.nnx_lm_step, batch, user_mesh, method,
                                    options)
@@ -115,11 +121,14 @@ def test_linen_train_state_step_matches_one_device(mesh, method):
     alone (Adam's moments follow their parameter); the batch is found beside a trailing key."""
     state, names = ex.linen_lm_state()
     batch, key = ex.lm_batch(), jax.random.key(5)
-    want, want_losses = state, []
-    ref = jax.jit(ex.linen_lm_step)
-    for _ in range(STEPS):
-        want, metrics = ref(want, batch, key)
-        want_losses.append(float(metrics["loss"]))
+    if "linen" not in _REFERENCE:
+        want, want_losses = state, []
+        ref = jax.jit(ex.linen_lm_step)
+        for _ in range(STEPS):
+            want, metrics = ref(want, batch, key)
+            want_losses.append(float(metrics["loss"]))
+        _REFERENCE["linen"] = want, want_losses
+    want, want_losses = _REFERENCE["linen"]
     step = spmd.parallelize(ex.linen_lm_step, mesh=mesh, method=method, logical_axes=names,
                             options=FAST)
     plan = step.plan_for(state, batch, key)
@@ -150,15 +159,10 @@ def test_linen_gradients_match_one_device(mesh):
 def test_nnx_cnn_with_batchnorm_and_dropout_matches_one_device(mesh, method):
     """BatchNorm's statistics (state the step updates) and dropout under a batch split."""
     batch = ex.cnn_batch()
-    want_losses, _ = _nnx_reference(ex.cnn_state, ex.cnn_step, batch)
-    with nnx.use_eager_sharding(False):
-        want_model, _ = ref_nodes = ex.cnn_state()
-    step_ref = nnx.jit(ex.cnn_step)
-    for _ in range(STEPS):
-        step_ref(*ref_nodes, batch)
+    want_losses, want_state = _nnx_reference(ex.cnn_state, ex.cnn_step, batch)
     losses, state, plan = _nnx_run(ex.cnn_state, ex.cnn_step, batch, mesh, method, FAST)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
-    _close(state, nnx.state(want_model), "state")
+    _close(state, want_state, "state")
     stats = [leaf for leaf in plan.leaves if "mean" in leaf.path]
     assert stats and all(leaf.kind == "state" for leaf in stats)
     # no logical names: the methods that need them say so rather than pose as alternatives
