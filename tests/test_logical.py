@@ -1,8 +1,6 @@
 """The user's logical rules and pins: Flax's forms, Flax's order, kept by every method and by
 the comparison, and clear errors when they cannot apply."""
 
-import jax
-import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -10,21 +8,7 @@ import spmd
 from spmd.logical import user_pins
 from spmd.options import normalize_rules
 from spmd.trace.signature import StepSignature
-
-LOGICAL = {"w1": ("embed", "mlp"), "w2": ("mlp", "embed")}
-
-
-def _step(params, batch):
-    def loss(p):
-        return jnp.mean((jnp.tanh(batch["x"] @ p["w1"]) @ p["w2"] - batch["y"]) ** 2)
-
-    value, grads = jax.value_and_grad(loss)(params)
-    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), value
-
-
-def _args(d=64, h=256, b=32):
-    params = {"w1": jnp.ones((d, h)) * 0.01, "w2": jnp.ones((h, d)) * 0.01}
-    return params, {"x": jnp.ones((b, d)), "y": jnp.zeros((b, d))}
+from tests.test_search import LOGICAL, _args, _step  # a two-layer MLP step
 
 
 @pytest.fixture(scope="module")

@@ -51,12 +51,18 @@ def _nnx_reference(create, step_fn, batch):
     return _REFERENCE[create]
 
 
-def _nnx_run(create, step_fn, batch, mesh, method, options):
+def _nnx_matches_one_device(create, step_fn, batch, mesh, method, options):
+    """STEPS steps under ``method``: the single-device losses and final model state; the
+    plan, for what it split."""
+    want_losses, want_state = _nnx_reference(create, step_fn, batch)
     step = spmd.parallelize(step_fn, mesh=mesh, method=method, options=options)
     plan = step.plan_for(*spmd.eval_shape(create), batch)
     nodes = spmd.materialize(create, plan)
     losses = [float(step(*nodes, batch)["loss"]) for _ in range(STEPS)]
-    return losses, nnx.state(nodes[0]), plan
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    _close(nnx.state(nodes[0]), want_state, "state")
+    assert len(set(losses)) == STEPS  # dropout masks and updates move on each step
+    return plan
 
 
 ALL = ["auto", "dp", "zero", "fsdp", "tp", "dp_tp", "fsdp_tp"]  # ep: no experts here
@@ -64,12 +70,8 @@ ALL = ["auto", "dp", "zero", "fsdp", "tp", "dp_tp", "fsdp_tp"]  # ep: no experts
 
 @pytest.mark.parametrize("method", ALL)
 def test_nnx_lm_with_dropout_matches_one_device(mesh, method):
-    batch = ex.lm_batch()
-    want_losses, want_state = _nnx_reference(ex.nnx_lm_state, ex.nnx_lm_step, batch)
-    losses, state, plan = _nnx_run(ex.nnx_lm_state, ex.nnx_lm_step, batch, mesh, method, FAST)
-    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
-    _close(state, want_state, "parameter")
-    assert len(set(losses)) == STEPS  # dropout masks and updates move on each step
+    plan = _nnx_matches_one_device(ex.nnx_lm_state, ex.nnx_lm_step, ex.lm_batch(), mesh, method,
+                                   FAST)
     split = {leaf.kind for leaf, spec in zip(plan.leaves, plan.input_specs) if any(spec)}
     assert "batch" in split or method == "tp"
     if method not in ("auto", "dp"):  # the method's rules reach the model's own names
@@ -80,13 +82,9 @@ def test_nnx_lm_with_dropout_matches_one_device(mesh, method):
 def test_nnx_lm_under_its_own_rules_and_mesh_axes(user_mesh, method):
     """The user's rules (MaxText-style lists naming "fsdp" and "tensor") pin what they name,
     under auto with the hand-written plans compared (compare=True) and under dp alike."""
-    batch = ex.lm_batch()
     options = spmd.SearchOptions(cache=False, time_limit=2.0, rules=ex.NNX_RULES)
-    want_losses, want_state = _nnx_reference(ex.nnx_lm_state, ex.nnx_lm_step, batch)
-    losses, state, plan = _nnx_run(ex.nnx_lm_state, ex.nnx_lm_step, batch, user_mesh, method,
-                                   options)
-    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
-    _close(state, want_state, "parameter")
+    plan = _nnx_matches_one_device(ex.nnx_lm_state, ex.nnx_lm_step, ex.lm_batch(), user_mesh,
+                                   method, options)
     specs = {leaf.path: spec for leaf, spec in zip(plan.leaves, plan.input_specs)}
     assert specs["model/blocks/0/up/kernel"] == (("fsdp",), ("tensor",))
     assert specs["model/embed/embedding"] == (("tensor",), ("fsdp",))
@@ -158,11 +156,7 @@ def test_linen_gradients_match_one_device(mesh):
 @pytest.mark.parametrize("method", ["auto", "dp"])
 def test_nnx_cnn_with_batchnorm_and_dropout_matches_one_device(mesh, method):
     """BatchNorm's statistics (state the step updates) and dropout under a batch split."""
-    batch = ex.cnn_batch()
-    want_losses, want_state = _nnx_reference(ex.cnn_state, ex.cnn_step, batch)
-    losses, state, plan = _nnx_run(ex.cnn_state, ex.cnn_step, batch, mesh, method, FAST)
-    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
-    _close(state, want_state, "state")
+    plan = _nnx_matches_one_device(ex.cnn_state, ex.cnn_step, ex.cnn_batch(), mesh, method, FAST)
     stats = [leaf for leaf in plan.leaves if "mean" in leaf.path]
     assert stats and all(leaf.kind == "state" for leaf in stats)
     # no logical names: the methods that need them say so rather than pose as alternatives
