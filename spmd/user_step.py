@@ -3,8 +3,8 @@
 directory is importable.
 
 The contract: ``make()``, called with no arguments, returns ``(step_fn, args)``, ``args`` the
-tuple of ``step_fn``'s positional arguments, the batch last (``spmd.plan``'s default
-``batch_argnums``). ``spmd plan`` needs only their shapes, so they may be abstract
+tuple of ``step_fn``'s positional arguments, among them the batch (found as ``spmd.plan``
+finds it: the last argument whose arrays share one leading dimension). ``spmd plan`` needs only their shapes, so they may be abstract
 (``nnx.eval_shape``, ``jax.ShapeDtypeStruct``). ``spmd run`` calls the step ``--steps``
 times and needs concrete ones. NNX models and optimizers among the arguments are updated in
 place, as spmd writes their state back, and the step returns its metrics; a step with no
