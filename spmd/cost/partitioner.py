@@ -8,8 +8,11 @@ reduce-scatter, all-to-all, collective-permute) or after it (all-gather). Axes o
 split nothing and produce no collective.
 
 **Platform.** XLA:CPU has no reduce-scatter pass: it all-reduces and slices. XLA:GPU emits a
-reduce-scatter. The platform is the one the step is compiled for: a virtual mesh (a cluster
-that is not present) compiles on CPU devices, so its collectives are the CPU partitioner's.
+reduce-scatter (its ReduceScatterCreator pass turns the partitioner's all-reduce +
+dynamic-slice into one). The platform is the mesh's own, virtual or not: a plan for a cluster
+that is not present (compiled on simulated CPU devices to check it) is priced as that
+cluster's XLA:GPU would run it, not as the CPU stand-in does. ``spmd.analysis.reconcile``
+reads a CPU compile of a GPU plan back into XLA:GPU's collectives, so the check still holds.
 
 **Combining.** XLA's combiner passes (AllReduceCombiner, ReduceScatterCombiner) merge
 collectives of one kind over the same devices when none depends on another: the per-parameter
@@ -84,9 +87,9 @@ class Partitioner:
     def __init__(self, mesh: DeviceMesh):
         self.mesh = mesh
         self._sizes = mesh.shape
-        #: the platform XLA compiles the step for, which decides the collectives it emits:
-        #: a virtual mesh (a cluster that is not present) is compiled on CPU devices
-        self.platform = "cpu" if mesh.virtual else mesh.platform
+        #: the platform whose XLA emits the collectives: the mesh's own, even when it is
+        #: virtual (a GPU cluster compile-checked on CPU devices is priced as XLA:GPU runs it)
+        self.platform = mesh.platform
 
     def active(self, axes: Sequence[str] | str | None) -> tuple[str, ...]:
         """The axes that really split devices (size > 1), in the given order."""
