@@ -48,6 +48,7 @@ def dot_general_strategies(op: Op, ctx: RuleContext) -> list[Strategy]:
 
     base: list[Strategy] = []
     variants: list[Strategy] = []
+    saved: list[float] = []  # per variant: devices x bytes of the all-reduce it replaces
     for assign in ctx.assignments(sizes):
         lspec: list[tuple[str, ...]] = [()] * len(lhs)
         rspec: list[tuple[str, ...]] = [()] * len(rhs)
@@ -76,6 +77,10 @@ def dot_general_strategies(op: Op, ctx: RuleContext) -> list[Strategy]:
                 colls = ctx.partial_sum(out_shape, out_dtype, scattered, groups)
                 if colls != reduced:
                     variants.append(make(ins, (scattered,), colls, flops))
+                    saved.append(ctx.size(summed) * sum(c.bytes for c in reduced))
+    # When they do not all fit, keep the variants that save the most: a partial sum over the
+    # most devices, of the largest result (a weight gradient reduced over every axis).
+    variants = [v for _, v in sorted(zip(saved, variants), key=lambda p: -p[0])]
     room = max(ctx.max_strategies - len(base), 0)
     if len(base) > ctx.max_strategies:
         # Too many (3+ axes): keep those that leave the least work replicated.
