@@ -13,7 +13,7 @@ from spmd.sharding import bytes_per_device, format_spec
 if TYPE_CHECKING:
     from spmd.plan import Plan
 
-__all__ = ["describe", "solver_summary"]
+__all__ = ["describe", "emitted_by", "solver_summary"]
 
 
 def describe(plan: "Plan", max_rows: int | None = 60) -> str:
@@ -124,11 +124,32 @@ def _prediction_table(plan: "Plan"):
     return table
 
 
+def emitted_by(measured: dict) -> str:
+    """Whose collectives a measured record (``Report.record``) holds, and what was reconciled
+    when a CPU compile stands in for a GPU mesh (``spmd.analysis.reconcile``).
+
+    >>> emitted_by({"platform": "gpu", "reconciled": {"compiled_on": "cpu",
+    ...             "reduce_scatters": 2, "promoted": 0}})
+    'collectives as XLA:GPU emits them (CPU compile reconciled: 2 all-reduce+slice counted as reduce-scatter)'
+    """
+    platform = measured.get("platform")
+    if not platform:
+        return "collectives as compiled"
+    text = f"collectives as XLA:{platform.upper()} emits them"
+    done = measured.get("reconciled")
+    if done:
+        parts = [f"{done['reduce_scatters']} all-reduce+slice counted as reduce-scatter"]
+        if done.get("promoted"):
+            parts.append(f"{done['promoted']} f32-promoted all-reduce counted at its own width")
+        text += f" ({done['compiled_on'].upper()} compile reconciled: {'; '.join(parts)})"
+    return text
+
+
 def _measured_table(plan: "Plan"):
     from rich.table import Table
 
-    table = Table(title="predicted vs compiled HLO (per device; XLA may combine "
-                  "collectives, so compare bytes)")
+    table = Table(title=f"predicted vs compiled HLO (per device; {emitted_by(plan.measured)}; "
+                  "XLA may combine collectives, so compare bytes)")
     for col in ("kind", "pred count", "pred MiB", "HLO count", "HLO MiB"):
         table.add_column(col, justify="left" if col == "kind" else "right")
     pred = plan.prediction.collectives

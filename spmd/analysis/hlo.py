@@ -21,10 +21,13 @@ from spmd.cost.partitioner import COLLECTIVE_KINDS
 __all__ = [
     "COLLECTIVE_KINDS",
     "CollectiveOp",
+    "Instruction",
     "collective_ops",
     "groups_to_mesh_axes",
+    "parse_instructions",
     "parse_replica_groups",
     "shape_bytes",
+    "tuple_elements",
 ]
 
 # COLLECTIVE_KINDS (spmd.cost.partitioner) are always present in Report.collectives, in that order.
@@ -146,8 +149,12 @@ def _split_top(text: str, sep: str = ",") -> list[str]:
     return parts
 
 
-def _tuple_elements(shape_text: str) -> list[str]:
-    """Top-level elements of a tuple shape (an array shape is one element)."""
+def tuple_elements(shape_text: str) -> list[str]:
+    """Top-level elements of a tuple shape (an array shape is one element).
+
+    >>> tuple_elements("(f32[4]{0}, bf16[2,2])"), tuple_elements("f32[8]")
+    (['f32[4]', 'bf16[2,2]'], ['f32[8]'])
+    """
     text = _COMMENT_RE.sub("", _strip_layouts(shape_text)).strip()
     if text.startswith("(") and _match_close(text, 0) == len(text) - 1:
         return _split_top(text[1:-1])
@@ -165,16 +172,29 @@ _OPCODE = re.compile(r"\s*(?P<opcode>[a-z][a-z0-9\-]*)\(")
 
 
 @dataclasses.dataclass
-class _Instr:
+class Instruction:
+    """One printed HLO instruction: ``name = shape opcode(operands), attrs``, in the
+    computation whose body holds it (``spmd.analysis.reconcile`` follows values through them)."""
+
     name: str
     shape: str
     opcode: str
     operands: str
     attrs: str
     computation: str
+    root: bool = False
+
+    def operand_names(self) -> list[str]:
+        """The operands' instruction names (without ``%``), in order."""
+        return [o.split()[-1].lstrip("%") for o in _split_top(self.operands) if o]
+
+    def called(self) -> list[str]:
+        """The computations this instruction calls (fusion bodies, reducers, loop bodies)."""
+        return [t.strip().lstrip("%") for _, target in _CALL_ATTRS.findall(self.attrs)
+                for t in target.strip("{}").split(",") if t.strip()]
 
 
-def _parse_instruction(line: str, computation: str) -> _Instr | None:
+def _parse_instruction(line: str, computation: str) -> Instruction | None:
     m = _INSTR_START.match(line)
     if not m:
         return None
@@ -196,13 +216,14 @@ def _parse_instruction(line: str, computation: str) -> _Instr | None:
         close_at = _match_close(tail, open_at)
     except ValueError:  # unbalanced: not an instruction we can read
         return None
-    return _Instr(
+    return Instruction(
         name=m.group("name"),
         shape=shape,
         opcode=om.group("opcode"),
         operands=tail[open_at + 1 : close_at],
         attrs=tail[close_at + 1 :],
         computation=computation,
+        root=line.lstrip().startswith("ROOT"),
     )
 
 
@@ -231,7 +252,8 @@ def _logical_lines(text: str) -> Iterable[str]:
 _COLLECTIVE_HINT = re.compile(r"\s(?:" + "|".join(_ALL_KINDS) + r")(?:-start)?\(")
 
 
-def _parse_module(text: str) -> list[_Instr]:
+def parse_instructions(text: str) -> list[Instruction]:
+    """Every instruction of HLO text, in printed order (a collective it cannot read raises)."""
     instrs, computation = [], ""
     for line in _logical_lines(text):
         instr = _parse_instruction(line, computation)
@@ -399,7 +421,7 @@ def _kind_of(opcode: str) -> str | None:
 
 
 def _operand_bytes(
-    instr: _Instr, shapes: dict[tuple[str, str], str], by_name: dict[str, str]
+    instr: Instruction, shapes: dict[tuple[str, str], str], by_name: dict[str, str]
 ) -> int | None:
     """Summed operand bytes, shapes printed inline or looked up by name; None if unknown."""
     total = 0
@@ -415,9 +437,9 @@ def _operand_bytes(
     return total
 
 
-def _collective_bytes(instr: _Instr, kind: str, groups, shapes, by_name) -> int:
+def _collective_bytes(instr: Instruction, kind: str, groups, shapes, by_name) -> int:
     is_start = instr.opcode.endswith("-start")
-    elements = _tuple_elements(instr.shape)
+    elements = tuple_elements(instr.shape)
     if kind == "all-gather":
         # all-gather-start returns (operands, results); the sync form returns the results.
         if is_start and len(elements) >= 2:
@@ -447,7 +469,7 @@ _CALL_ATTRS = re.compile(
 _TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
 
 
-def _loop_runs(instrs: list[_Instr]) -> tuple[set[str], dict[str, int]]:
+def _loop_runs(instrs: list[Instruction]) -> tuple[set[str], dict[str, int]]:
     """Computations inside a while loop (bodies, conditions, all they call), and how often
     each computation runs per execution (1 unless loops with known trip counts enclose it):
     one walk of the call graph from the computations nothing calls."""
@@ -487,9 +509,10 @@ def _source_target_pairs(attrs: str) -> list[tuple[int, int]] | None:
     return [tuple(_ints(p)) for p in re.findall(r"\{([^{}]*)\}", m.group(1))]
 
 
-def collective_ops(text: str) -> list[CollectiveOp]:
-    """Every collective of optimized HLO text, in printed order (rules: ``spmd.analyze``)."""
-    instrs = _parse_module(text)
+def collective_ops(text: str | Sequence[Instruction]) -> list[CollectiveOp]:
+    """Every collective of optimized HLO text (or its ``parse_instructions``), in printed
+    order (rules: ``spmd.analyze``)."""
+    instrs = parse_instructions(text) if isinstance(text, str) else list(text)
     shapes = {(i.computation, i.name): i.shape for i in instrs}
     by_name = {i.name: i.shape for i in instrs}
     looped, runs = _loop_runs(instrs)

@@ -32,6 +32,12 @@ Replica groups are expanded to explicit device lists from all three printed form
 ids, i.e. positions in the executable's device assignment (for a jit over one mesh: the
 mesh's flat device order), not ``jax.Device.id``.
 
+**Platform.** A report knows the platform its program was compiled for (``platform``). A
+GPU plan compile-checked on CPU devices holds XLA:CPU's collectives; ``Report.on_platform("gpu")``
+reads them as XLA:GPU emits them (``spmd.analysis.reconcile``: all-reduce + slice as a
+reduce-scatter, a promoted bf16 all-reduce at bf16), and ``Report.record(mesh)`` does so for
+a GPU mesh, keeping the raw CPU counts beside the reconciled ones.
+
 >>> text = '''
 ... ENTRY %main (p: f32[8,16]) -> f32[8,16] {
 ...   %p = f32[8,16]{1,0} parameter(0)
@@ -57,9 +63,11 @@ from spmd.analysis.hlo import (
     CollectiveOp,
     collective_ops,
     groups_to_mesh_axes,
+    parse_instructions,
     parse_replica_groups,
     shape_bytes,
 )
+from spmd.analysis.reconcile import GpuView, gpu_collectives
 
 __all__ = [
     "COLLECTIVE_KINDS",
@@ -68,6 +76,7 @@ __all__ = [
     "Report",
     "analyze",
     "analyze_hlo_text",
+    "compiled_platform",
     "groups_to_mesh_axes",
     "memory_report",
     "parse_replica_groups",
@@ -99,11 +108,28 @@ class MemoryReport:
 
 @dataclasses.dataclass(frozen=True)
 class Report:
-    """What a compiled executable does: collectives, memory and flops, all per device."""
+    """What a compiled executable does: collectives, memory and flops, all per device.
+
+    ``platform`` is the one whose collectives ``ops`` are (None: unknown, as for bare HLO
+    text); ``gpu`` holds, for a CPU compile, the same collectives as XLA:GPU would emit them;
+    ``reconciled_from`` is set on the report ``on_platform`` made from it (the raw one).
+    """
 
     ops: list[CollectiveOp]
     memory: MemoryReport | None = None
     flops: float | None = None
+    platform: str | None = None
+    gpu: GpuView | None = None
+    reconciled_from: "Report | None" = None
+
+    def on_platform(self, platform: str) -> "Report":
+        """This report with the collectives ``platform``'s XLA emits: for a CPU compile read
+        as ``"gpu"``, XLA:CPU's all-reduce + slice pairs as reduce-scatters and its promoted
+        bf16 all-reduces at bf16 (``spmd.analysis.reconcile``); otherwise itself."""
+        if platform != "gpu" or self.platform != "cpu" or self.gpu is None:
+            return self
+        return dataclasses.replace(self, ops=self.gpu.ops, platform="gpu", gpu=None,
+                                   reconciled_from=self)
 
     @property
     def collectives(self) -> dict[str, tuple[int, int]]:
@@ -125,14 +151,26 @@ class Report:
         return out
 
     def record(self, mesh) -> dict[str, Any]:
-        """JSON-ready: collectives per kind and their total bytes, their time priced by the
-        cost model on ``mesh`` (``comm_time``), memory (``peak_bytes`` and its parts) and
-        FLOPs per device. ``Plan.measured`` and every compared plan's entry hold this."""
+        """JSON-ready: collectives per kind as ``mesh``'s platform emits them
+        (``on_platform``) and their total bytes, their time priced by the cost model on
+        ``mesh`` (``comm_time``), memory (``peak_bytes`` and its parts) and FLOPs per device.
+        ``platform`` says whose collectives they are; ``reconciled``, for a CPU compile read
+        as XLA:GPU's, how many all-reduces became reduce-scatters or were counted at their
+        own width, and the raw CPU ``collectives``. ``Plan.measured`` and every compared
+        plan's entry hold this."""
+        view = self.on_platform(mesh.platform)
         mem = self.memory
-        comm, unpriced = self.comm_time(mesh)
+        comm, unpriced = view.comm_time(mesh)
+        raw = view.reconciled_from
         return {
-            "collectives": {k: [c, b] for k, (c, b) in self.collectives.items()},
-            "total_collective_bytes": self.total_collective_bytes,
+            "collectives": {k: [c, b] for k, (c, b) in view.collectives.items()},
+            "total_collective_bytes": view.total_collective_bytes,
+            "platform": view.platform,
+            "reconciled": None if raw is None else {
+                "compiled_on": raw.platform, "reduce_scatters": raw.gpu.scattered,
+                "promoted": raw.gpu.promoted,
+                "collectives": {k: [c, b] for k, (c, b) in raw.collectives.items()},
+                "total_collective_bytes": raw.total_collective_bytes},
             "comm_time": comm, "unpriced_collectives": unpriced,
             "peak_bytes": None if mem is None else mem.peak_bytes,
             "memory": None if mem is None else dataclasses.asdict(mem),
@@ -169,6 +207,7 @@ class Report:
         return {
             "collectives": {k: {"count": c, "bytes": b} for k, (c, b) in self.collectives.items()},
             "total_collective_bytes": self.total_collective_bytes,
+            "platform": self.platform,
             "memory": None if self.memory is None else dataclasses.asdict(self.memory),
             "flops": self.flops,
             "ops": [
@@ -191,7 +230,8 @@ class Report:
         from rich.table import Table
 
         console = Console(file=io.StringIO(), width=width, color_system=None, force_terminal=False)
-        title = "Collectives emitted by XLA (per device, static count)"
+        title = (f"Collectives emitted by XLA{':' + self.platform.upper() if self.platform else ''}"
+                 " (per device, per execution)")
         table = Table(title=title, box=box.SIMPLE_HEAD)
         table.add_column("collective")
         table.add_column("count", justify="right")
@@ -230,9 +270,12 @@ def _fmt_bytes(n: int) -> str:
 
 
 def analyze_hlo_text(
-    text: str, memory: MemoryReport | None = None, flops: float | None = None
+    text: str, memory: MemoryReport | None = None, flops: float | None = None,
+    platform: str | None = None,
 ) -> Report:
     """Parse optimized HLO text into a :class:`Report` (see module docstring for the rules).
+    ``platform`` is the one it was compiled for; for ``"cpu"`` the report also holds its
+    collectives as XLA:GPU would emit them (``Report.on_platform``).
 
     >>> hlo = '''
     ... %fusion.7 (p: f32[4]) -> f32[4] {
@@ -249,7 +292,10 @@ def analyze_hlo_text(
     >>> collectives["all-gather"], collectives["all-reduce"]
     ((1, 64), (0, 0))
     """
-    return Report(ops=collective_ops(text), memory=memory, flops=flops)
+    instrs = parse_instructions(text)
+    ops = collective_ops(instrs)
+    gpu = gpu_collectives(instrs, ops) if platform == "cpu" else None
+    return Report(ops=ops, memory=memory, flops=flops, platform=platform, gpu=gpu)
 
 
 # ------------------------------------------------------------------ compiled executables
@@ -296,6 +342,19 @@ def _flops(compiled: Any) -> float | None:
     return float(cost["flops"])
 
 
+def compiled_platform(compiled: Any) -> str | None:
+    """The platform (``"cpu"``, ``"gpu"``, ...) a compiled executable runs on, read off the
+    devices of its input and output shardings; None when it has neither."""
+    import jax
+
+    for sharding in jax.tree.leaves((compiled.input_shardings, compiled.output_shardings)):
+        devices = getattr(sharding, "device_set", None)
+        if devices:
+            platform = next(iter(devices)).platform
+            return "gpu" if platform in ("cuda", "rocm") else platform
+    return None
+
+
 def analyze(compiled: Any) -> Report:
     """Report the collectives, memory and flops of a compiled (sharded) executable.
 
@@ -311,4 +370,5 @@ def analyze(compiled: Any) -> Report:
     ((0, 0), True)
     """
     memory, flops = memory_report(compiled), _flops(compiled)
-    return analyze_hlo_text(compiled.as_text(), memory=memory, flops=flops)
+    return analyze_hlo_text(compiled.as_text(), memory=memory, flops=flops,
+                            platform=compiled_platform(compiled))
