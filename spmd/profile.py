@@ -51,9 +51,9 @@ _DEVICE_SHAPES = {("cpu", False): ((128, 256, 512), 32 * MIB),
                   ("cpu", True): ((64, 128), 4 * MIB),
                   ("gpu", False): ((1024, 2048, 4096, 8192), 1024 * MIB),
                   ("gpu", True): ((1024, 2048), 256 * MIB)}
-#: the k-iteration run: about this many seconds, and 4 to 63 iterations more than the
-#: 1-iteration run it is compared with (enough that their noise does not dominate)
-_LOOP_SECONDS = 0.05
+#: the k-iteration run: about this many seconds (by quick), and 4 to 63 iterations more than
+#: the 1-iteration run it is compared with (enough that their noise does not dominate)
+_LOOP_SECONDS = {False: 0.05, True: 0.01}
 _EXTRA_ITERATIONS = (4, 63)
 
 
@@ -96,7 +96,8 @@ class Profile:
 
     def mesh(self) -> DeviceMesh:
         """The source mesh with the measured device and links (4 significant digits: no
-        more are measured); axes of size 1 keep the source's link (nothing crosses it)."""
+        more are measured); axes of size 1 keep the source's link (nothing crosses it). A
+        mesh of its own, as its file will load: a submesh profiled is no longer one."""
         figures = self.device
         device = DeviceSpec(
             name=f"{_slug(self.environment['device_kind'])}-profiled",
@@ -106,7 +107,7 @@ class Profile:
         links = {axis: Link(_round(self.links[axis].bandwidth), _round(self.links[axis].latency))
                  if axis in self.links else link for axis, link in self.source.links.items()}
         return dataclasses.replace(self.source, name=f"{self.source.name}-profiled",
-                                   device=device, links=links, source=None)
+                                   device=device, links=links, source=None, device_ids=None)
 
     def yaml(self) -> str:
         """The mesh file: ``mesh()``, and as comments where and how it was measured, the
@@ -117,11 +118,15 @@ class Profile:
             f"spmd profile of mesh {self.source.name}"
             + (f" ({self.source.source})" if self.source.source else "") + f", {env['date']}",
             f"jax {env['jax']}, jaxlib {env['jaxlib']}, platform {env['platform']}, device "
-            f"kind {env['device_kind']}, {self.source.size} devices measured at once",
+            f"kind {env['device_kind']}, "
+            + (f"{self.source.size} devices measured at once" if self.source.size > 1
+               else "1 device"),
         ]
         if env["platform"] == "cpu":
-            header.append(f"CPU: the simulated devices share this host's {os.cpu_count()} "
-                          f"cores, so these figures describe this host, not a GPU.")
+            who = (f"the {self.source.size} simulated devices share" if self.source.size > 1
+                   else "one CPU device runs on")
+            header.append(f"CPU: {who} this host's {os.cpu_count()} cores, so these figures "
+                          f"describe this host, not a GPU.")
         header += [
             f"matmul (best of sides {sides}): bf16 {_rate(figures.flops['bfloat16'])}FLOP/s, "
             f"fp32 {_rate(figures.flops['float32'])}FLOP/s at JAX's default precision",
@@ -130,7 +135,8 @@ class Profile:
             f"kernel overhead: {figures.kernel_overhead * 1e6:.1f} us per tiny jitted op, "
             f"dispatch included (no DeviceSpec field: not priced)",
             f"collectives: medians of {self.repeats} repeats, dispatch excluded; each "
-            f"axis's link is the joint fit of {' and '.join(LINK_KINDS)}",
+            f"axis's link is the joint fit of {' and '.join(LINK_KINDS)}" if self.links
+            else "collectives: none timed (no axis of size > 1)",
         ]
         notes = {axis: _axis_notes(axis, self.source.shape[axis], self.links.get(axis),
                                    self.collectives.get(axis, {}))
@@ -153,10 +159,11 @@ class Profile:
 
 
 def profile_mesh(mesh: DeviceMesh, sizes: Sequence[int] | None = None, quick: bool = False,
-                 repeats: int = 5) -> Profile:
+                 repeats: int | None = None) -> Profile:
     """Measure ``mesh``'s devices and, for each axis of size > 1, its collectives at
     ``sizes`` bytes per device (default ``DEFAULT_SIZES``, or ``QUICK_SIZES`` with
-    ``quick``, which also shrinks the device's shapes).
+    ``quick``, which also shrinks the device's shapes and the loops), each time the median
+    of ``repeats`` (default 5, quick 3).
 
     Raises:
       MeshError: a virtual or multi-process mesh (only this process's devices are timed).
@@ -178,7 +185,8 @@ def profile_mesh(mesh: DeviceMesh, sizes: Sequence[int] | None = None, quick: bo
     first = jmesh.devices.flat[0]
     platform = "cpu" if first.platform == "cpu" else "gpu"
     sides, buffer = _DEVICE_SHAPES[(platform, quick)]
-    timer = _Timer(jmesh, repeats)
+    repeats = repeats or (3 if quick else 5)
+    timer = _Timer(jmesh, repeats, _LOOP_SECONDS[quick])
     collectives, links = {}, {}
     for axis, size in mesh.shape.items():
         if size > 1:
@@ -250,10 +258,10 @@ def _profile_axis(timer: "_Timer", mesh: DeviceMesh, axis: str, sizes: Sequence[
 class _Timer:
     """Times ops on every device of a jax mesh at once, each device on its own block."""
 
-    def __init__(self, jmesh, repeats: int):
+    def __init__(self, jmesh, repeats: int, loop_seconds: float):
         from jax.sharding import NamedSharding, PartitionSpec
 
-        self.jmesh, self.repeats = jmesh, repeats
+        self.jmesh, self.repeats, self.loop_seconds = jmesh, repeats, loop_seconds
         self.devices = jmesh.devices.size
         self.spec = PartitionSpec(tuple(jmesh.axis_names))  # dim 0 split over every axis
         self.sharding = NamedSharding(jmesh, self.spec)
@@ -292,7 +300,7 @@ class _Timer:
         arrays = [self._zeros(shape, dtype) for shape, dtype in operands]
         one = jnp.int32(1)
         self._seconds(fn, one, *arrays)  # compiled and warm
-        k = 1 + int(np.clip(round(_LOOP_SECONDS / self._seconds(fn, one, *arrays)),
+        k = 1 + int(np.clip(round(self.loop_seconds / self._seconds(fn, one, *arrays)),
                             *_EXTRA_ITERATIONS))
         many = jnp.int32(k)
         self._seconds(fn, many, *arrays)
