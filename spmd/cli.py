@@ -1,4 +1,4 @@
-"""`spmd run | plan | compare | models | meshes | launch`: the command line.
+"""`spmd run | plan | compare | profile | models | meshes | launch`: the command line.
 
 A step is a zoo model's (``--model``) or the user's own (``--step module:function``, see
 ``spmd.user_step``). User errors (a bad mesh file, an unknown model or option, a dimension that
@@ -202,6 +202,7 @@ def run(
     per_second = spec.items_per_batch(size) / step_time
     _say(f"step time {step_time * 1e3:.1f} ms (median after the first), "
          f"{per_second:,.0f} {spec.unit}/s")
+    _say_predicted(step_time, plan)
     _say(plan.describe(max_rows=None if describe else 12))
     _say(report.describe())
     if output_json is not None and jax.process_index() == 0:
@@ -209,6 +210,16 @@ def run(
             "model": spec.name, "mesh": device_mesh.name, "method": method, "losses": losses,
             "step_time": step_time, f"{spec.unit}_per_second": per_second,
             "report": report.to_dict()}, indent=1))
+
+
+def _say_predicted(measured: float, plan) -> None:
+    """The measured step time beside the cost model's (a plan has a prediction when searched
+    or scored, as `run`'s options ask for hand-written ones): M/P is how far off the mesh
+    file's figures are; a profiled mesh (`spmd profile`) brings it nearer 1."""
+    if plan.prediction is not None and plan.prediction.total_time > 0:
+        predicted = plan.prediction.total_time
+        _say(f"step time: measured {measured * 1e3:.3g} ms, predicted {predicted * 1e3:.3g} ms "
+             f"(M/P = {measured / predicted:.3g})")
 
 
 def _run_own_step(step_ref: str, device_mesh: DeviceMesh, method: str, options: SearchOptions,
@@ -237,6 +248,7 @@ def _run_own_step(step_ref: str, device_mesh: DeviceMesh, method: str, options: 
     losses, times = _train(call, steps)
     step_time = _median_step(times)
     _say(f"step time {step_time * 1e3:.1f} ms (median after the first)")
+    _say_predicted(step_time, plan)
     _say(plan.describe(max_rows=None if describe else 12))
     _say(report.describe())
     if output_json is not None:
@@ -305,6 +317,28 @@ def compare(
     typer.echo(verify.describe(record))
     if output_json is not None:
         output_json.write_text(json.dumps(record, indent=1, default=str))
+
+
+@app.command()
+def profile(
+    mesh: str = typer.Option(DEFAULT_MESH, help="bundled mesh name or a mesh file: its devices "
+                             "are measured (on CPU, as many simulated devices)"),
+    output: Optional[Path] = typer.Option(None, help="the mesh file to write (default "
+                                          "MESH-profiled.yaml here)"),
+    quick: bool = typer.Option(False, help="fewer and smaller sizes: seconds, rougher figures"),
+) -> None:
+    """Measure the devices present and their links; write a mesh file with the figures
+    (then pass it as --mesh FILE)."""
+    import spmd
+    from spmd.profile import profile_mesh
+
+    device_mesh = spmd.load_mesh(mesh)  # before jax starts: sets the CPU device count
+    with _working(f"profiling {device_mesh.size} device(s) of {device_mesh.name}"):
+        measured = profile_mesh(device_mesh, quick=quick)
+    path = output or Path(f"{measured.mesh().name}.yaml")
+    path.write_text(measured.yaml())
+    typer.echo(measured.summary())
+    typer.echo(f"wrote {path}: {spmd.load_mesh(path).describe()}")
 
 
 def jax_abstract(make_batch, size: int):

@@ -31,6 +31,10 @@ class OptionsError(SpmdError):
     """An option holds a value outside its valid range (the message names the field)."""
 
 
+class ProfileError(SpmdError):
+    """A measurement gave no figure: times that do not grow with size, or lost in noise."""
+
+
 class CheckpointError(SpmdError):
     """A checkpoint directory holds none, or one whose tensors do not match the model (the
     message names the first tensor and both shapes)."""

@@ -91,6 +91,9 @@ def test_run_reports_losses_speed_and_collectives(capsys, tmp_path):
                           "--method", "dp_tp", "--output-json", str(out_json))
     assert code == 0, err
     assert "samples/s" in out and "all-reduce" in out
+    # a hand-written plan is scored under run's options, so it has a prediction to compare
+    assert re.search(r"step time: measured [\d.]+ ms, predicted [\d.e+-]+ ms "
+                     r"\(M/P = [\d.e+]+\)", out), out
     result = json.loads(out_json.read_text())
     assert len(result["losses"]) == 3 and result["losses"][2] < result["losses"][0]
 
@@ -230,7 +233,7 @@ def test_run_trains_ones_own_step(capsys, own_step, ref):
     code, out, err = _run(capsys, "run", "--step", ref, "--steps", "4", "--time-limit", "2",
                           "--output-json", str(out_json))
     assert code == 0, err
-    assert f"step {ref}; method auto" in out and "step time" in out
+    assert f"step {ref}; method auto" in out and "step time: measured" in out
     losses = json.loads(out_json.read_text())["losses"]
     assert len(losses) == 4 and losses[3] < losses[0]
 

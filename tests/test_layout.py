@@ -18,6 +18,7 @@ LAYERS = [
     {"spmd.cost.partitioner"},  # what XLA emits: the rules ask it which collective
     {"spmd.rules"},
     {"spmd.cost.time"},
+    {"spmd.profile"},  # measured figures for a mesh file, fitted to the cost model's formulas
     {"spmd.solver"},  # self-contained: errors and options only
     {"spmd.memory.liveness"},
     {"spmd.search.costgraph", "spmd.search.encode", "spmd.search.predict",

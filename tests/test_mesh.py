@@ -1,11 +1,12 @@
 """Mesh files, programmatic meshes and their error messages."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 import spmd
-from spmd.cluster.mesh import bundled_meshes
+from spmd.cluster.mesh import bundled_meshes, mesh_yaml
 from spmd.errors import MeshError
 
 
@@ -95,6 +96,25 @@ def test_bad_mesh_files_name_file_and_key(tmp_path, text, message):
     with pytest.raises(MeshError, match=message) as err:
         spmd.load_mesh(path, virtual=True)
     assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize("name", bundled_meshes())
+def test_mesh_yaml_reads_back_equal(tmp_path, name):
+    """Every axis written with its own link, so a multi-host mesh needs no links section."""
+    mesh = spmd.load_mesh(name, virtual=True)
+    text = mesh_yaml(mesh, header=["a note"], notes={mesh.axis_names[0]: ["outer"]})
+    assert text.startswith("# a note\n") and "  # outer\n" in text and "links:" not in text
+    again = spmd.load_mesh(_write(tmp_path, text), virtual=True)
+    assert dataclasses.replace(again, source=None, distributed=None) == dataclasses.replace(
+        mesh, source=None, distributed=None)
+
+
+def test_names_that_yaml_would_misread_are_quoted(tmp_path):
+    mesh = spmd.make_mesh({"data": 2}, device={"name": "true", "peak_flops_bf16": 1e12,
+                                               "peak_flops_fp32": 1e12, "memory_bytes": 2**30,
+                                               "memory_bandwidth": 1e11}, name="a: b")
+    again = spmd.load_mesh(_write(tmp_path, mesh_yaml(mesh)), virtual=True)
+    assert (again.name, again.device.name) == ("a: b", "true")
 
 
 def _cpu_mesh(tmp_path, devices):

@@ -12,10 +12,11 @@ The mesh files shipped with spmd (``spmd/meshes/*.yaml``) load by name: ``load_m
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import yaml
@@ -341,7 +342,7 @@ def load_mesh(path: str | os.PathLike, virtual: bool | None = None) -> DeviceMes
         raise MeshError(f"{where}: missing key 'links.intra_host' (bandwidth, latency)")
     intra = _link(links_raw["intra_host"], f"{where}: links.intra_host") if "intra_host" in links_raw else None
     inter = intra
-    if hosts > 1:
+    if hosts > 1 and len(overrides) < len(names):  # else every axis has its own link
         if "inter_host" not in links_raw:
             raise MeshError(f"{where}: hosts is {hosts}, so 'links.inter_host' is required")
         inter = _link(links_raw["inter_host"], f"{where}: links.inter_host")
@@ -364,6 +365,60 @@ def load_mesh(path: str | os.PathLike, virtual: bool | None = None) -> DeviceMes
         raise MeshError(f"mesh {mesh.name!r}{_from(where)} is for {mesh.size} GPUs but no GPU "
                         f"is present ({absent}); {NO_GPU_ADVICE}")
     return mesh
+
+
+def mesh_yaml(mesh: DeviceMesh, header: Sequence[str] = (),
+              notes: Mapping[str, Sequence[str]] | None = None) -> str:
+    """The mesh as a mesh file that ``load_mesh`` reads back equal (but for ``source``): the
+    device's figures as a mapping, and every axis with its own link (``size``,
+    ``bandwidth``, ``latency``), so measured figures need no intra/inter-host levels.
+    ``header`` lines and ``notes[axis]`` lines become comments (above the file and the axis).
+    A multi-process section is not written (the environment gives it: ``spmd launch``).
+
+    >>> mesh = make_mesh({"data": 2}, bandwidth=25e9, latency=1e-5, virtual=True)
+    >>> print(mesh_yaml(mesh, header=["made in a doctest"]), end="")  # doctest: +ELLIPSIS
+    # made in a doctest
+    name: mesh
+    platform: cpu
+    virtual: true
+    device:
+      name: cpu
+      peak_flops_bf16: 5.0e+10
+    ...
+    axes:  # outer to inner, each with its own link
+      data: {size: 2, bandwidth: 2.5e+10, latency: 1.0e-05}
+    """
+    notes = notes or {}
+    dev = mesh.device
+    lines = [f"# {line}".rstrip() for line in header]
+    lines += [f"name: {_plain(mesh.name)}", f"platform: {mesh.platform}"]
+    if mesh.virtual:
+        lines.append("virtual: true")
+    lines += ["device:", f"  name: {_plain(dev.name)}"]
+    lines += [f"  {f.name}: {_figure(getattr(dev, f.name))}" for f in dataclasses.fields(dev)
+              if f.name != "name"]
+    lines += [f"hosts: {mesh.hosts}", f"devices_per_host: {mesh.size // mesh.hosts}",
+              "axes:  # outer to inner, each with its own link"]
+    for name, size in zip(mesh.axis_names, mesh.axis_sizes):
+        lines += [f"  # {line}".rstrip() for line in notes.get(name, ())]
+        link = mesh.links[name]
+        lines.append(f"  {name}: {{size: {size}, bandwidth: {_figure(link.bandwidth)}, "
+                     f"latency: {_figure(link.latency)}}}")
+    return "\n".join(lines) + "\n"
+
+
+def _figure(value: float) -> str:
+    """A figure in the bundled files' notation (``3.0e+11``), in as few digits as read back
+    exactly; integers (memory bytes) as they are."""
+    if isinstance(value, int):
+        return str(value)
+    return np.format_float_scientific(value, unique=True, trim="0")
+
+
+def _plain(text: str) -> str:
+    """``text`` as a YAML scalar that reads back as this string: plain where it does, else
+    quoted (a JSON string is a YAML one)."""
+    return text if yaml.safe_load(text) == text else json.dumps(text)
 
 
 def _distributed(raw: Any, where: str) -> DistributedConfig | None:

@@ -1,0 +1,396 @@
+"""`spmd profile`: measure the devices present and their links, as a mesh file's figures.
+
+The bundled mesh files hold datasheet figures, and a predicted step time is only as good as
+them. This module times, on every device of a mesh at once (as a training step uses them):
+
+* the device: matmul FLOP/s per dtype (bf16, and fp32 at JAX's default precision), the best
+  of a few square shapes; memory bandwidth (an elementwise op over a large buffer, bytes
+  read plus written); and the per-kernel overhead (a tiny jitted op, dispatch included),
+  which no ``DeviceSpec`` field holds, so it is reported, not priced;
+* per mesh axis of size > 1, each collective kind over a range of sizes, the other axes
+  running their own groups meanwhile. Latency alpha and inverse bandwidth beta are fitted
+  to ``t = alpha + beta * x``, where x is the bytes the cost model's ring formula charges
+  (``CostModel`` on a unit link), so the fitted bandwidth means what a mesh file's link
+  means. The axis's link is the joint fit of all-reduce and all-gather, the collectives a
+  training step mostly runs; the other kinds' fits are reported beside it.
+
+Each op is timed as a loop inside one jitted program, run for 1 and for k iterations: the
+difference over k - 1 iterations is its time without the call's dispatch, as it runs inside
+a step. Every time is the median of repeats.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import re
+import statistics
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+from spmd.cluster.hardware import DeviceSpec
+from spmd.cluster.mesh import DeviceMesh, Link, make_mesh, mesh_yaml
+from spmd.cost.partitioner import COLLECTIVE_KINDS, Collective
+from spmd.cost.time import CostModel
+from spmd.errors import MeshError, ProfileError
+
+__all__ = ["DEFAULT_SIZES", "QUICK_SIZES", "DeviceFigures", "Fit", "Profile", "fit_link",
+           "profile_mesh"]
+
+KIB, MIB = 1024, 1024**2
+#: bytes per device of each collective timed (B as the cost model counts it): 4 KiB .. 16 MiB
+DEFAULT_SIZES = tuple(4 * KIB * 8**i for i in range(5))
+QUICK_SIZES = (4 * KIB, 64 * KIB, 1 * MIB)
+#: the collectives an axis's link is fitted from (the others are reported beside it)
+LINK_KINDS = ("all-reduce", "all-gather")
+#: (matmul sides, elementwise buffer bytes per device) by platform, then in quick mode
+_DEVICE_SHAPES = {("cpu", False): ((128, 256, 512), 32 * MIB),
+                  ("cpu", True): ((64, 128), 4 * MIB),
+                  ("gpu", False): ((1024, 2048, 4096, 8192), 1024 * MIB),
+                  ("gpu", True): ((1024, 2048), 256 * MIB)}
+#: the k-iteration run: about this many seconds (by quick), and 4 to 63 iterations more than
+#: the 1-iteration run it is compared with (enough that their noise does not dominate)
+_LOOP_SECONDS = {False: 0.05, True: 0.01}
+_EXTRA_ITERATIONS = (4, 63)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """``seconds = latency + charged_bytes / bandwidth`` fitted to measured points.
+
+    ``residual`` is the fit's root-mean-square relative error over its points; ``points``
+    are (bytes per device B, seconds) as measured.
+    """
+
+    latency: float
+    bandwidth: float
+    residual: float
+    points: tuple[tuple[float, float], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceFigures:
+    """One device's measured rates (every device of the mesh busy at once)."""
+
+    flops: dict[str, float]  # dtype name -> best matmul FLOP/s
+    memory_bandwidth: float  # bytes read + written per second
+    memory_bytes: int
+    kernel_overhead: float  # seconds of a tiny jitted op, dispatch included
+    matmul_sides: tuple[int, ...]  # the square matmuls timed
+    buffer_bytes: int  # the elementwise op's buffer per device
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """What ``profile_mesh`` measured on ``source``'s devices, and the mesh file it makes."""
+
+    source: DeviceMesh
+    device: DeviceFigures
+    collectives: dict[str, dict[str, Fit]]  # axis -> collective kind -> its fit
+    links: dict[str, Fit]  # axis -> the joint fit of LINK_KINDS
+    environment: dict[str, str]  # date, jax, jaxlib, platform, device_kind
+    repeats: int  # each time is the median of this many runs
+
+    def mesh(self) -> DeviceMesh:
+        """The source mesh with the measured device and links (4 significant digits: no
+        more are measured); axes of size 1 keep the source's link (nothing crosses it). A
+        mesh of its own, as its file will load: a submesh profiled is no longer one."""
+        figures = self.device
+        device = DeviceSpec(
+            name=f"{_slug(self.environment['device_kind'])}-profiled",
+            peak_flops_bf16=_round(figures.flops["bfloat16"]),
+            peak_flops_fp32=_round(figures.flops["float32"]),
+            memory_bytes=figures.memory_bytes, memory_bandwidth=_round(figures.memory_bandwidth))
+        links = {axis: Link(_round(self.links[axis].bandwidth), _round(self.links[axis].latency))
+                 if axis in self.links else link for axis, link in self.source.links.items()}
+        return dataclasses.replace(self.source, name=f"{self.source.name}-profiled",
+                                   device=device, links=links, source=None, device_ids=None)
+
+    def yaml(self) -> str:
+        """The mesh file: ``mesh()``, and as comments where and how it was measured, the
+        kernel overhead, every collective's fit and the measured times."""
+        env, figures = self.environment, self.device
+        sides = ", ".join(map(str, figures.matmul_sides))
+        header = [
+            f"spmd profile of mesh {self.source.name}"
+            + (f" ({self.source.source})" if self.source.source else "") + f", {env['date']}",
+            f"jax {env['jax']}, jaxlib {env['jaxlib']}, platform {env['platform']}, device "
+            f"kind {env['device_kind']}, "
+            + (f"{self.source.size} devices measured at once" if self.source.size > 1
+               else "1 device"),
+        ]
+        if env["platform"] == "cpu":
+            who = (f"the {self.source.size} simulated devices share" if self.source.size > 1
+                   else "one CPU device runs on")
+            header.append(f"CPU: {who} this host's {os.cpu_count()} cores, so these figures "
+                          f"describe this host, not a GPU.")
+        header += [
+            f"matmul (best of sides {sides}): bf16 {_rate(figures.flops['bfloat16'])}FLOP/s, "
+            f"fp32 {_rate(figures.flops['float32'])}FLOP/s at JAX's default precision",
+            f"memory bandwidth: an elementwise op over {_bytes(figures.buffer_bytes)} per "
+            f"device, bytes read + written",
+            f"kernel overhead: {figures.kernel_overhead * 1e6:.1f} us per tiny jitted op, "
+            f"dispatch included (no DeviceSpec field: not priced)",
+            f"collectives: medians of {self.repeats} repeats, dispatch excluded; each "
+            f"axis's link is the joint fit of {' and '.join(LINK_KINDS)}" if self.links
+            else "collectives: none timed (no axis of size > 1)",
+        ]
+        notes = {axis: _axis_notes(axis, self.source.shape[axis], self.links.get(axis),
+                                   self.collectives.get(axis, {}))
+                 for axis in self.source.axis_names}
+        return mesh_yaml(self.mesh(), header=header, notes=notes)
+
+    def summary(self) -> str:
+        """A few lines for the terminal: the device's figures and each axis's link."""
+        figures = self.device
+        lines = [f"device {self.mesh().device.name}: matmul bf16 "
+                 f"{_rate(figures.flops['bfloat16'])}FLOP/s, fp32 "
+                 f"{_rate(figures.flops['float32'])}FLOP/s; memory "
+                 f"{_rate(figures.memory_bandwidth)}B/s; kernel overhead "
+                 f"{figures.kernel_overhead * 1e6:.1f} us"]
+        for axis, fit in self.links.items():
+            lines.append(f"axis {axis} ({self.source.shape[axis]} devices): "
+                         f"{_rate(fit.bandwidth)}B/s, {fit.latency * 1e6:.1f} us "
+                         f"(residual {fit.residual:.0%})")
+        return "\n".join(lines)
+
+
+def profile_mesh(mesh: DeviceMesh, sizes: Sequence[int] | None = None, quick: bool = False,
+                 repeats: int | None = None) -> Profile:
+    """Measure ``mesh``'s devices and, for each axis of size > 1, its collectives at
+    ``sizes`` bytes per device (default ``DEFAULT_SIZES``, or ``QUICK_SIZES`` with
+    ``quick``, which also shrinks the device's shapes and the loops), each time the median
+    of ``repeats`` (default 5, quick 3).
+
+    Raises:
+      MeshError: a virtual or multi-process mesh (only this process's devices are timed).
+      ProfileError: timings that do not grow with size (too few or too small sizes).
+    """
+    import jax
+    import jaxlib
+
+    if mesh.virtual:
+        raise MeshError(f"mesh {mesh.name!r} is virtual (a cluster that is not here); profile "
+                        f"measures the devices present: give a mesh of them, e.g. cpu-8")
+    if mesh.distributed is not None:
+        raise MeshError(f"mesh {mesh.name!r} spans {mesh.distributed.num_processes} processes; "
+                        f"profile measures one process's devices: give a one-process mesh")
+    sizes = tuple(sizes or (QUICK_SIZES if quick else DEFAULT_SIZES))
+    if len(sizes) < 2 or min(sizes) <= 0:
+        raise ProfileError(f"sizes: give at least two positive byte counts, got {sizes}")
+    jmesh = mesh.jax_mesh()
+    first = jmesh.devices.flat[0]
+    platform = "cpu" if first.platform == "cpu" else "gpu"
+    sides, buffer = _DEVICE_SHAPES[(platform, quick)]
+    repeats = repeats or (3 if quick else 5)
+    timer = _Timer(jmesh, repeats, _LOOP_SECONDS[quick])
+    collectives, links = {}, {}
+    for axis, size in mesh.shape.items():
+        if size > 1:
+            collectives[axis], links[axis] = _profile_axis(timer, mesh, axis, sizes)
+    stats = first.memory_stats() or {}
+    return Profile(
+        source=mesh,
+        device=DeviceFigures(
+            flops={dtype: max(timer.matmul(n, dtype) for n in sides)
+                   for dtype in ("bfloat16", "float32")},
+            memory_bandwidth=timer.bandwidth(buffer),
+            memory_bytes=int(stats.get("bytes_limit", mesh.device.memory_bytes)),
+            kernel_overhead=timer.overhead(), matmul_sides=sides, buffer_bytes=buffer),
+        collectives=collectives, links=links, repeats=repeats,
+        environment={"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                     "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+                     "platform": first.platform, "device_kind": first.device_kind})
+
+
+def fit_link(charged: Sequence[float], seconds: Sequence[float]) -> tuple[float, float, float]:
+    """(latency, bandwidth, residual) of ``seconds ~ latency + charged / bandwidth``.
+
+    Least squares on relative error, so 4 KiB and 16 MiB weigh alike (absolute error would
+    leave the latency to the largest sizes' noise); the latency is held >= 0. ``residual``
+    is the root-mean-square relative error.
+
+    >>> latency, bandwidth, residual = fit_link([1e3, 1e6, 1e7], [11e-6, 1.01e-3, 10.01e-3])
+    >>> round(latency * 1e6, 6), round(bandwidth / 1e9, 6), round(residual, 6)  # 10 us, 1 GB/s
+    (10.0, 1.0, 0.0)
+
+    Raises:
+      ProfileError: the times do not grow with the bytes (no bandwidth to fit).
+    """
+    x, t = np.asarray(charged, float), np.asarray(seconds, float)
+    rows = np.stack([1.0 / t, x / t], axis=1)  # (alpha + beta x) / t ~ 1
+    (alpha, beta), *_ = np.linalg.lstsq(rows, np.ones_like(t), rcond=None)
+    if alpha < 0:  # latency below the noise: fit the bandwidth through the origin
+        alpha, beta = 0.0, float(np.sum(x / t) / np.sum((x / t) ** 2))
+    if not beta > 0:
+        raise ProfileError(f"times {list(t)} do not grow with bytes {list(x)}: no bandwidth "
+                           f"to fit; give larger sizes")
+    residual = float(np.sqrt(np.mean(((alpha + beta * x - t) / t) ** 2)))
+    return float(alpha), float(1.0 / beta), residual
+
+
+def _profile_axis(timer: "_Timer", mesh: DeviceMesh, axis: str, sizes: Sequence[int]
+                  ) -> tuple[dict[str, Fit], Fit]:
+    """Each collective over ``axis`` at each size, fitted per kind and jointly for the link."""
+    unit = CostModel(make_mesh(mesh.shape, bandwidth=1.0, latency=0.0, virtual=True))
+    fits: dict[str, Fit] = {}
+    joint_charged: list[float] = []
+    joint_points: list[tuple[float, float]] = []
+    for kind in COLLECTIVE_KINDS:
+        points = [(nbytes, timer.collective(kind, axis, nbytes)) for nbytes in sizes]
+        points = [(b, t) for b, t in points if t > 0]  # a loop lost in noise tells nothing
+        if len(points) < 2:
+            raise ProfileError(f"{kind} over axis {axis!r}: too few sizes timed above the "
+                               f"noise ({sizes}); give larger sizes")
+        charged = [unit.time(Collective(kind, (axis,), b)) for b, _ in points]
+        latency, bandwidth, residual = fit_link(charged, [t for _, t in points])
+        fits[kind] = Fit(latency, bandwidth, residual, tuple(points))
+        if kind in LINK_KINDS:
+            joint_charged += charged
+            joint_points += points
+    latency, bandwidth, residual = fit_link(joint_charged, [t for _, t in joint_points])
+    return fits, Fit(latency, bandwidth, residual, tuple(joint_points))
+
+
+class _Timer:
+    """Times ops on every device of a jax mesh at once, each device on its own block."""
+
+    def __init__(self, jmesh, repeats: int, loop_seconds: float):
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        self.jmesh, self.repeats, self.loop_seconds = jmesh, repeats, loop_seconds
+        self.devices = jmesh.devices.size
+        self.spec = PartitionSpec(tuple(jmesh.axis_names))  # dim 0 split over every axis
+        self.sharding = NamedSharding(jmesh, self.spec)
+
+    def _zeros(self, local_shape: tuple[int, ...], dtype):
+        import jax
+        import jax.numpy as jnp
+
+        shape = (local_shape[0] * self.devices, *local_shape[1:])
+        return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self.sharding)()
+
+    @staticmethod
+    def _seconds(fn: Callable, *args) -> float:
+        import jax
+
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        return time.perf_counter() - start
+
+    def loop(self, body: Callable, operands: Sequence[tuple[tuple[int, ...], object]]) -> float:
+        """Seconds of one ``body(carry, *rest)`` (the carry's shape kept) on every device at
+        once: a loop run for 1 and for k iterations, k sized so the run is long beside the
+        dispatch, which the difference cancels. The median of paired differences, each pair
+        run back to back so both see the same load of a shared host. Not above 0 when lost
+        in noise."""
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import PartitionSpec
+
+        def per_device(k, carry, *rest):
+            return jax.lax.fori_loop(0, k, lambda _, y: body(y, *rest), carry)
+
+        fn = jax.jit(jax.shard_map(per_device, mesh=self.jmesh, out_specs=self.spec,
+                                   in_specs=(PartitionSpec(),) + (self.spec,) * len(operands),
+                                   check_vma=False))
+        arrays = [self._zeros(shape, dtype) for shape, dtype in operands]
+        one = jnp.int32(1)
+        self._seconds(fn, one, *arrays)  # compiled and warm
+        k = 1 + int(np.clip(round(self.loop_seconds / self._seconds(fn, one, *arrays)),
+                            *_EXTRA_ITERATIONS))
+        many = jnp.int32(k)
+        self._seconds(fn, many, *arrays)
+        return statistics.median(
+            (self._seconds(fn, many, *arrays) - self._seconds(fn, one, *arrays)) / (k - 1)
+            for _ in range(self.repeats))
+
+    def matmul(self, side: int, dtype: str) -> float:
+        """FLOP/s of a square matmul per device."""
+        seconds = self.loop(lambda y, w: y @ w, [((side, side), dtype)] * 2)
+        return _per_second(2.0 * side**3, seconds, f"{dtype} matmul")
+
+    def bandwidth(self, nbytes: int) -> float:
+        """Bytes read + written per second by an elementwise op per device."""
+        seconds = self.loop(lambda y: y * 0.5 + 1.0, [((nbytes // 4,), "float32")])
+        return _per_second(2.0 * nbytes, seconds, "memory bandwidth")
+
+    def overhead(self) -> float:
+        """Seconds of a tiny jitted op on every device, dispatch included."""
+        import jax
+
+        x = self._zeros((1,), "float32")
+        fn = jax.jit(lambda y: y + 1.0)
+        self._seconds(fn, x)  # compiled and warm
+        return statistics.median(self._seconds(fn, x) for _ in range(10 * self.repeats))
+
+    def collective(self, kind: str, axis: str, nbytes: int) -> float:
+        """Seconds of one ``kind`` over ``axis`` with ``nbytes`` per device (B as the cost
+        model counts it: after an all-gather, before a reduce-scatter)."""
+        import jax.lax as lax
+
+        n = self.jmesh.shape[axis]
+        elements = max(n, nbytes // 4 // n * n)
+        bodies = {
+            "all-reduce": lambda y: lax.psum(y, axis),
+            "all-gather": lambda y: lax.all_gather(y[: elements // n], axis, tiled=True),
+            "reduce-scatter": lambda y: lax.dynamic_update_slice(
+                y, lax.psum_scatter(y, axis, tiled=True), (0,)),
+            "all-to-all": lambda y: lax.all_to_all(y, axis, 0, 0, tiled=True),
+            "collective-permute": lambda y: lax.ppermute(
+                y, axis, [(i, (i + 1) % n) for i in range(n)]),
+        }
+        return self.loop(bodies[kind], [((elements,), "float32")])
+
+
+def _axis_notes(axis: str, size: int, link: Fit | None, fits: dict[str, Fit]) -> list[str]:
+    """The comment lines above an axis: its link's source, each kind's fit, the times."""
+    if link is None:
+        return [f"{axis}: size {size}, nothing crosses it: the source mesh's link"]
+    lines = [f"{axis}: {size} devices; link = joint fit of {' and '.join(LINK_KINDS)} "
+             f"(residual {link.residual:.0%})"]
+    lines += [f"  {kind:<19} {_rate(fit.bandwidth) + 'B/s':>10} {fit.latency * 1e6:8.1f} us  "
+              f"residual {fit.residual:.0%}" for kind, fit in fits.items()]
+    sizes = sorted({b for fit in fits.values() for b, _ in fit.points})
+    lines.append(f"  {'us at B per device':<19}" + "".join(f"{_bytes(b):>9}" for b in sizes))
+    for kind, fit in fits.items():
+        times = dict(fit.points)
+        lines.append(f"  {kind:<19}" + "".join(
+            f"{times[b] * 1e6:9.1f}" if b in times else f"{'-':>9}" for b in sizes))
+    return lines
+
+
+def _per_second(work: float, seconds: float, what: str) -> float:
+    """``work / seconds``, refusing a loop whose extra iterations were lost in noise."""
+    if not seconds > 0:
+        raise ProfileError(f"{what}: the timed loop was lost in noise; run again on an idle "
+                           f"machine")
+    return work / seconds
+
+
+def _round(value: float) -> float:
+    """4 significant digits: as many as a median of a few repeats supports."""
+    return float(f"{value:.3e}")
+
+
+def _rate(value: float) -> str:
+    """``value`` with an SI prefix: 12.3 G, 1.23 T (the unit follows)."""
+    for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if value >= factor:
+            return f"{value / factor:.3g} {prefix}"
+    return f"{value:.3g} "
+
+
+def _bytes(nbytes: float) -> str:
+    for factor, unit in ((MIB * 1024, "GiB"), (MIB, "MiB"), (KIB, "KiB")):
+        if nbytes >= factor:
+            return f"{nbytes / factor:g} {unit}"
+    return f"{nbytes:g} B"
+
+
+def _slug(text: str) -> str:
+    """A device kind as a device name: ``NVIDIA H200`` -> ``nvidia-h200``."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "device"
