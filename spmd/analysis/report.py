@@ -53,14 +53,16 @@ a GPU mesh, keeping the raw CPU counts beside the reconciled ones.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
-from typing import Any
+from typing import Any, Sequence
 
 from spmd.cost.partitioner import Collective
 from spmd.cost.time import CostModel
 from spmd.analysis.hlo import (
     COLLECTIVE_KINDS,
     CollectiveOp,
+    Instruction,
     collective_ops,
     groups_to_mesh_axes,
     parse_instructions,
@@ -111,24 +113,34 @@ class Report:
     """What a compiled executable does: collectives, memory and flops, all per device.
 
     ``platform`` is the one whose collectives ``ops`` are (None: unknown, as for bare HLO
-    text); ``gpu`` holds, for a CPU compile, the same collectives as XLA:GPU would emit them;
-    ``reconciled_from`` is set on the report ``on_platform`` made from it (the raw one).
+    text); ``instructions``, for a CPU compile, the parsed program, from which ``gpu`` reads
+    the same collectives as XLA:GPU would emit them, when first asked (a GPU mesh's check:
+    a CPU mesh never pays for it); ``reconciled_from`` is set on the report ``on_platform``
+    made from it (the raw one).
     """
 
     ops: list[CollectiveOp]
     memory: MemoryReport | None = None
     flops: float | None = None
     platform: str | None = None
-    gpu: GpuView | None = None
+    instructions: Sequence[Instruction] | None = dataclasses.field(
+        default=None, repr=False, compare=False)
     reconciled_from: "Report | None" = None
+
+    @functools.cached_property
+    def gpu(self) -> GpuView | None:
+        """A CPU compile's collectives as XLA:GPU would emit them (None for any other)."""
+        if self.platform != "cpu" or self.instructions is None:
+            return None
+        return gpu_collectives(self.instructions, self.ops)
 
     def on_platform(self, platform: str) -> "Report":
         """This report with the collectives ``platform``'s XLA emits: for a CPU compile read
         as ``"gpu"``, XLA:CPU's all-reduce + slice pairs as reduce-scatters and its promoted
         bf16 all-reduces at bf16 (``spmd.analysis.reconcile``); otherwise itself."""
-        if platform != "gpu" or self.platform != "cpu" or self.gpu is None:
+        if platform != "gpu" or self.gpu is None:
             return self
-        return dataclasses.replace(self, ops=self.gpu.ops, platform="gpu", gpu=None,
+        return dataclasses.replace(self, ops=self.gpu.ops, platform="gpu", instructions=None,
                                    reconciled_from=self)
 
     @property
@@ -293,9 +305,8 @@ def analyze_hlo_text(
     ((1, 64), (0, 0))
     """
     instrs = parse_instructions(text)
-    ops = collective_ops(instrs)
-    gpu = gpu_collectives(instrs, ops) if platform == "cpu" else None
-    return Report(ops=ops, memory=memory, flops=flops, platform=platform, gpu=gpu)
+    return Report(ops=collective_ops(instrs), memory=memory, flops=flops, platform=platform,
+                  instructions=instrs if platform == "cpu" else None)
 
 
 # ------------------------------------------------------------------ compiled executables
