@@ -12,11 +12,10 @@ from flax import nnx
 
 from spmd.cluster.mesh import DeviceMesh
 from spmd.errors import InfeasibleError, PlanError
-from spmd.logical import user_pins
 from spmd.manual import get_method, manual_specs
 from spmd.options import SearchOptions
 from spmd.plan import Plan
-from spmd.planner import plan_auto, score_manual
+from spmd.planner import plan_auto, score_manual, step_inputs
 from spmd.runtime.compile import Executable, prepare
 from spmd.sharding import Spec, replicated
 from spmd.timing import Stopwatch
@@ -61,15 +60,22 @@ def plan(step_fn: Callable, *example_args: Any, mesh: DeviceMesh, method: str = 
                                 batch_argnums=batch_argnums)
         if method == "auto":
             return plan_auto(sig, mesh, options or SearchOptions(), timings)
-        pins = user_pins(sig.leaves, (options or SearchOptions()).logical_rules(), mesh)
-        input_specs = manual_specs(sig.leaves, method, mesh, pins)
-        result = Plan(method=method, mesh=mesh, leaves=sig.leaves, input_specs=input_specs,
-                      output_specs=_output_specs(sig, input_specs), signature=sig)
-        # scoring costs a solve: only when asked, or when a memory budget must be checked
-        if options is not None and (options.compare or options.memory_budget is not None):
-            result.prediction = score_manual(sig, mesh, method, options).prediction
-            _check_budget(result, options.memory_budget)
-        return result
+        return plan_manual(sig, mesh, method, options)
+
+
+def plan_manual(sig: StepSignature, mesh: DeviceMesh, method: str,
+                options: SearchOptions | None = None) -> Plan:
+    """A hand-written plan for an already traced step (``spmd.plan`` traces it first;
+    ``spmd.analysis.verify.compare`` plans every method from auto's trace), the user's pins
+    kept. Scored (a solve) only with ``options.compare`` or a ``memory_budget`` to check."""
+    inputs = step_inputs(sig, mesh, options or SearchOptions())
+    input_specs = manual_specs(sig.leaves, method, mesh, [i.pinned for i in inputs])
+    result = Plan(method=method, mesh=mesh, leaves=sig.leaves, input_specs=input_specs,
+                  output_specs=_output_specs(sig, input_specs), signature=sig)
+    if options is not None and (options.compare or options.memory_budget is not None):
+        result.prediction = score_manual(sig, mesh, method, options, inputs=inputs).prediction
+        _check_budget(result, options.memory_budget)
+    return result
 
 
 def _check_budget(p: Plan, budget: float | None) -> None:

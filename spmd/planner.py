@@ -66,11 +66,13 @@ def _baselines(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions,
 
 
 def score_manual(sig: StepSignature, mesh: DeviceMesh, method: str, options: SearchOptions,
-                 graph: Graph | None = None) -> AutoResult:
+                 graph: Graph | None = None,
+                 inputs: list[InputInfo] | None = None) -> AutoResult:
     """The cost model's view of one hand-written plan (intermediates chosen by the ILP), with
-    the sharding constraints that compile it as scored."""
+    the sharding constraints that compile it as scored. ``inputs``: ``step_inputs`` already
+    made for these options (else made here)."""
     limit, solver = options.scoring()
-    inputs = step_inputs(sig, mesh, options)
+    inputs = inputs if inputs is not None else step_inputs(sig, mesh, options)
     return score_result(sig.jaxpr, inputs, mesh,
                         manual_specs(sig.leaves, method, mesh, [i.pinned for i in inputs]),
                         output_aliases=sig.output_aliases, time_limit=limit, graph=graph,

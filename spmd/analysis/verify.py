@@ -29,12 +29,13 @@ import time
 from typing import Any, Callable, Mapping, Sequence
 
 from spmd.analysis.report import analyze
-from spmd.api import plan
+from spmd.api import plan, plan_manual
 from spmd.logical import user_pins
 from spmd.manual import applicable_methods, manual_specs
 from spmd.options import SearchOptions
 from spmd.plan import Plan
 from spmd.runtime.compile import prepare
+from spmd.trace.signature import StepSignature
 
 __all__ = ["CRITERIA", "compare", "describe", "judge", "measure", "memory_bytes"]
 
@@ -83,6 +84,9 @@ def compare(step_fn: Callable, *args: Any, mesh, options: SearchOptions | None =
     if auto is None:
         auto = plan(step_fn, *args, mesh=mesh, method="auto", options=options, **kwargs)
     pins = user_pins(auto.leaves, options.logical_rules(), mesh)
+    # every hand-written plan from auto's trace (one loaded from JSON has none: traced once)
+    sig = (auto.signature if auto.signature is not None
+           else StepSignature(step_fn, args, **kwargs))
     manual_options = dataclasses.replace(options, compare=False)  # the user's rules, no scoring
     out: dict[str, Any] = {
         "plan_s": sum((auto.search or {}).get("timings", {}).values()),
@@ -106,8 +110,8 @@ def compare(step_fn: Callable, *args: Any, mesh, options: SearchOptions | None =
         splits = any(mesh.axis_size(tuple(axes)) > 1 for spec in specs for axes in spec if axes)
         try:
             start = time.perf_counter()
-            report = analyze(prepare(plan(step_fn, *args, mesh=mesh, method=method,
-                                          options=manual_options, **kwargs)).compile())
+            report = analyze(prepare(plan_manual(sig, mesh, method,
+                                                 manual_options)).compile())
             manual[method] = {"applicable": True, "splits": splits,
                               "compile_s": time.perf_counter() - start, **report.record(mesh)}
         except Exception as err:  # noqa: BLE001 - recorded, the other plans still compile
