@@ -57,9 +57,23 @@ NNX_RULES = [["batch", "fsdp"], ["embed", "fsdp"], ["mlp", "tensor"], ["heads", 
              ["vocab", "tensor"], ["kv", None]]
 
 
-def nnx_lm_state(seed: int = 0):
-    model = NnxLM(seed)
+def with_adamw(model: nnx.Module):
+    """The step's NNX arguments: the model and its AdamW optimizer."""
     return model, nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+
+
+def nnx_train_step(loss_fn):
+    """The NNX train step Flax's examples write, for a loss ``(model, batch) -> scalar``."""
+    def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch):
+        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+        optimizer.update(model, grads)
+        return {"loss": loss}
+
+    return train_step
+
+
+def nnx_lm_state(seed: int = 0):
+    return with_adamw(NnxLM(seed))
 
 
 def nnx_lm_loss(model: NnxLM, batch):
@@ -67,10 +81,7 @@ def nnx_lm_loss(model: NnxLM, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
 
-def nnx_lm_step(model: NnxLM, optimizer: nnx.Optimizer, batch):
-    loss, grads = nnx.value_and_grad(nnx_lm_loss)(model, batch)
-    optimizer.update(model, grads)
-    return {"loss": loss}
+nnx_lm_step = nnx_train_step(nnx_lm_loss)
 
 
 def lm_batch(size: int = 8, seed: int = 0):
@@ -156,8 +167,7 @@ class Cnn(nnx.Module):
 
 
 def cnn_state(seed: int = 0):
-    model = Cnn(seed)
-    return model, nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    return with_adamw(Cnn(seed))
 
 
 def cnn_loss(model: Cnn, batch):
@@ -165,10 +175,7 @@ def cnn_loss(model: Cnn, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
 
 
-def cnn_step(model: Cnn, optimizer: nnx.Optimizer, batch):
-    loss, grads = nnx.value_and_grad(cnn_loss)(model, batch)
-    optimizer.update(model, grads)
-    return {"loss": loss}
+cnn_step = nnx_train_step(cnn_loss)
 
 
 def cnn_batch(size: int = 16, seed: int = 0):
