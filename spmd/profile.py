@@ -55,6 +55,8 @@ _DEVICE_SHAPES = {("cpu", False): ((128, 256, 512), 32 * MIB),
 #: the 1-iteration run it is compared with (enough that their noise does not dominate)
 _LOOP_SECONDS = {False: 0.05, True: 0.01}
 _EXTRA_ITERATIONS = (4, 63)
+#: how many times longer a loop lost in noise runs on each retry
+_LONGER = (1, 4, 16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,8 +242,8 @@ def _profile_axis(timer: "_Timer", mesh: DeviceMesh, axis: str, sizes: Sequence[
     joint_charged: list[float] = []
     joint_points: list[tuple[float, float]] = []
     for kind in COLLECTIVE_KINDS:
-        points = [(nbytes, timer.collective(kind, axis, nbytes)) for nbytes in sizes]
-        points = [(b, t) for b, t in points if t > 0]  # a loop lost in noise tells nothing
+        points = _plausible([(nbytes, timer.collective(kind, axis, nbytes))
+                             for nbytes in sorted(sizes)])
         if len(points) < 2:
             raise ProfileError(f"{kind} over axis {axis!r}: too few sizes timed above the "
                                f"noise ({sizes}); give larger sizes")
@@ -253,6 +255,21 @@ def _profile_axis(timer: "_Timer", mesh: DeviceMesh, axis: str, sizes: Sequence[
             joint_points += points
     latency, bandwidth, residual = fit_link(joint_charged, [t for _, t in joint_points])
     return fits, Fit(latency, bandwidth, residual, tuple(joint_points))
+
+
+def _plausible(points: Sequence[tuple[int, float]]) -> list[tuple[int, float]]:
+    """The (bytes, seconds) points, ascending in bytes, that noise has not visibly spoiled:
+    a loop lost in noise (not above 0) tells nothing, and a collective timed faster than a
+    smaller one of its kind was timed while the host was busy elsewhere.
+
+    >>> _plausible([(4096, 4e-5), (65536, 4e-7), (1048576, 2e-3), (4194304, 0.0)])
+    [(4096, 4e-05), (1048576, 0.002)]
+    """
+    kept: list[tuple[int, float]] = []
+    for nbytes, seconds in points:
+        if seconds > 0 and (not kept or seconds >= kept[-1][1]):
+            kept.append((nbytes, seconds))
+    return kept
 
 
 class _Timer:
@@ -285,8 +302,8 @@ class _Timer:
         """Seconds of one ``body(carry, *rest)`` (the carry's shape kept) on every device at
         once: a loop run for 1 and for k iterations, k sized so the run is long beside the
         dispatch, which the difference cancels. The median of paired differences, each pair
-        run back to back so both see the same load of a shared host. Not above 0 when lost
-        in noise."""
+        run back to back so both see the same load of a shared host. Lost in noise (not above
+        0), it is run 4 and then 16 times longer; still lost, not above 0."""
         import jax
         import jax.numpy as jnp
         from jax.sharding import PartitionSpec
@@ -300,13 +317,19 @@ class _Timer:
         arrays = [self._zeros(shape, dtype) for shape, dtype in operands]
         one = jnp.int32(1)
         self._seconds(fn, one, *arrays)  # compiled and warm
-        k = 1 + int(np.clip(round(self.loop_seconds / self._seconds(fn, one, *arrays)),
-                            *_EXTRA_ITERATIONS))
-        many = jnp.int32(k)
-        self._seconds(fn, many, *arrays)
-        return statistics.median(
-            (self._seconds(fn, many, *arrays) - self._seconds(fn, one, *arrays)) / (k - 1)
-            for _ in range(self.repeats))
+        single = self._seconds(fn, one, *arrays)
+        low, high = _EXTRA_ITERATIONS
+        seconds = 0.0
+        for longer in _LONGER:  # a loop lost in the noise of a busy host: run it longer
+            k = 1 + int(np.clip(round(longer * self.loop_seconds / single), low, longer * high))
+            many = jnp.int32(k)
+            self._seconds(fn, many, *arrays)
+            seconds = statistics.median(
+                (self._seconds(fn, many, *arrays) - self._seconds(fn, one, *arrays)) / (k - 1)
+                for _ in range(self.repeats))
+            if seconds > 0:
+                break
+        return seconds
 
     def matmul(self, side: int, dtype: str) -> float:
         """FLOP/s of a square matmul per device."""

@@ -18,11 +18,12 @@ KIB = 1024
 
 @pytest.fixture(scope="module")
 def measured():
-    """A 1x2 block of the test session's 8 CPU devices, at two small sizes far enough apart
-    (4 KiB, 1 MiB) that their times grow with size even on a busy 2-core host (4 and 64 KiB
-    did not, once in a full run)."""
+    """A 1x2 block of the test session's 8 CPU devices at three sizes (4 KiB, 1 and 4 MiB):
+    the small one may be lost in the noise of a busy 2-core host (the suite's other tests,
+    or CI), and is then dropped; the two large ones still grow with size (4 and 64 KiB
+    alone did not, in full runs)."""
     mesh = spmd.load_mesh("cpu-8").submesh({"data": 1, "model": 2})
-    return profile_mesh(mesh, sizes=(4 * KIB, 1024 * KIB), quick=True, repeats=3)
+    return profile_mesh(mesh, sizes=(4 * KIB, 1024 * KIB, 4096 * KIB), quick=True, repeats=3)
 
 
 def _positive_finite(value):
@@ -50,9 +51,10 @@ def test_every_collective_is_fitted_with_sane_residuals(measured):
                           "collective-permute"]
     for fit in [*fits.values(), measured.links["model"]]:
         assert _positive_finite(fit.bandwidth) and fit.latency >= 0
-        assert 0 <= fit.residual < 1  # two points: far from exact on a shared host, not wild
+        assert 0 <= fit.residual < 1  # few points: far from exact on a shared host, not wild
         assert all(_positive_finite(t) for _, t in fit.points)
-    assert len(measured.links["model"].points) == 2 * len(LINK_KINDS)
+    assert len(measured.links["model"].points) == sum(len(fits[k].points) for k in LINK_KINDS)
+    assert all(len(fit.points) >= 2 for fit in fits.values())  # a lost size is dropped
     assert "data" not in measured.collectives
 
 
