@@ -109,16 +109,17 @@ def _prediction_table(plan: "Plan"):
     from rich.table import Table
 
     table = Table(title="predicted cost per step (cost model)")
-    for col in ("plan", "compute ms", "comm ms", "total ms", "collective MiB", "memory MiB",
-                "note"):
+    for col in ("plan", "compute ms", "memory-bound ms", "launch ms", "comm ms", "total ms",
+                "collective MiB", "memory MiB", "note"):
         table.add_column(col, justify="left" if col in ("plan", "note") else "right")
     entries = ([(f"{plan.method} (this plan)", plan.prediction)] if plan.prediction else [])
     entries += list(plan.alternatives.items())
     for name, pred in entries:
         if isinstance(pred, str) or pred is None:
-            table.add_row(name, "", "", "", "", "", pred or "")
+            table.add_row(name, "", "", "", "", "", "", "", pred or "")
             continue
-        table.add_row(name, f"{pred.compute_time * 1e3:.3f}", f"{pred.comm_time * 1e3:.3f}",
+        table.add_row(name, f"{pred.compute_time * 1e3:.3f}", f"{pred.memory_time * 1e3:.3f}",
+                      f"{pred.launch_time * 1e3:.3f}", f"{pred.comm_time * 1e3:.3f}",
                       f"{pred.total_time * 1e3:.3f}", f"{pred.collective_bytes / 2**20:.3f}",
                       f"{pred.memory_bytes / 2**20:.2f}", "")
     return table

@@ -5,8 +5,8 @@ them. This module times, on every device of a mesh at once (as a training step u
 
 * the device: matmul FLOP/s per dtype (bf16, and fp32 at JAX's default precision), the best
   of a few square shapes; memory bandwidth (an elementwise op over a large buffer, bytes
-  read plus written); and the per-kernel overhead (a tiny jitted op, dispatch included),
-  which no ``DeviceSpec`` field holds, so it is reported, not priced;
+  read plus written); and the per-kernel overhead (what one more kernel adds to a
+  program: a chain of tiny dependent matmuls, each its own kernel, timed at two lengths);
 * per mesh axis of size > 1, each collective kind over a range of sizes, the other axes
   running their own groups meanwhile. Latency alpha and inverse bandwidth beta are fitted
   to ``t = alpha + beta * x``, where x is the bytes the cost model's ring formula charges
@@ -47,14 +47,16 @@ QUICK_SIZES = (4 * KIB, 64 * KIB, 1 * MIB)
 #: the collectives an axis's link is fitted from (the others are reported beside it)
 LINK_KINDS = ("all-reduce", "all-gather")
 #: (matmul sides, elementwise buffer bytes per device) by platform, then in quick mode
-_DEVICE_SHAPES = {("cpu", False): ((128, 256, 512), 32 * MIB),
-                  ("cpu", True): ((64, 128), 4 * MIB),
-                  ("gpu", False): ((1024, 2048, 4096, 8192), 1024 * MIB),
-                  ("gpu", True): ((1024, 2048), 256 * MIB)}
+_DEVICE_SHAPES = {("cpu", False): ((32, 64, 128, 256, 512), 32 * MIB),
+                  ("cpu", True): ((32, 128), 4 * MIB),
+                  ("gpu", False): ((256, 1024, 2048, 4096, 8192), 1024 * MIB),
+                  ("gpu", True): ((256, 2048), 256 * MIB)}
 #: the k-iteration run: about this many seconds (by quick), and 4 to 63 iterations more than
 #: the 1-iteration run it is compared with (enough that their noise does not dominate)
 _LOOP_SECONDS = {False: 0.05, True: 0.01}
 _EXTRA_ITERATIONS = (4, 63)
+#: how many more kernels the long chain of ``_Timer.overhead`` runs than the short one
+_CHAIN = 16
 #: how many times longer a loop lost in noise runs on each retry
 _LONGER = (1, 4, 16)
 
@@ -77,11 +79,24 @@ class Fit:
 class DeviceFigures:
     """One device's measured rates (every device of the mesh busy at once)."""
 
-    flops: dict[str, float]  # dtype name -> best matmul FLOP/s
+    rates: dict[str, dict[int, float]]  # dtype name -> square matmul side -> FLOP/s
     memory_bandwidth: float  # bytes read + written per second
     memory_bytes: int
-    kernel_overhead: float  # seconds of a tiny jitted op, dispatch included
+    kernel_overhead: float  # seconds one more kernel adds to a program
     matmul_sides: tuple[int, ...]  # the square matmuls timed
+
+    @property
+    def flops(self) -> dict[str, float]:
+        """dtype name -> the best matmul FLOP/s measured."""
+        return {dtype: max(rates.values()) for dtype, rates in self.rates.items()}
+
+    def curve(self) -> tuple[tuple[float, float], ...]:
+        """``DeviceSpec.matmul_curve``: per side timed, its FLOPs and the fraction of the best
+        rate it ran at (the mean over dtypes)."""
+        best = self.flops
+        return tuple((2.0 * side**3, _round(float(np.mean(
+            [rates[side] / best[dtype] for dtype, rates in self.rates.items()]))))
+            for side in self.matmul_sides)
     buffer_bytes: int  # the elementwise op's buffer per device
 
 
@@ -105,7 +120,10 @@ class Profile:
             name=f"{_slug(self.environment['device_kind'])}-profiled",
             peak_flops_bf16=_round(figures.flops["bfloat16"]),
             peak_flops_fp32=_round(figures.flops["float32"]),
-            memory_bytes=figures.memory_bytes, memory_bandwidth=_round(figures.memory_bandwidth))
+            memory_bytes=figures.memory_bytes, memory_bandwidth=_round(figures.memory_bandwidth),
+            kernel_overhead=_round(figures.kernel_overhead), matmul_curve=figures.curve(),
+            source=f"measured by spmd profile, {self.environment['date']}, jax "
+                   f"{self.environment['jax']}")
         links = {axis: Link(_round(self.links[axis].bandwidth), _round(self.links[axis].latency))
                  if axis in self.links else link for axis, link in self.source.links.items()}
         return dataclasses.replace(self.source, name=f"{self.source.name}-profiled",
@@ -131,11 +149,14 @@ class Profile:
                           f"describe this host, not a GPU.")
         header += [
             f"matmul (best of sides {sides}): bf16 {_rate(figures.flops['bfloat16'])}FLOP/s, "
-            f"fp32 {_rate(figures.flops['float32'])}FLOP/s at JAX's default precision",
+            f"fp32 {_rate(figures.flops['float32'])}FLOP/s at JAX's default precision; "
+            f"per side (bf16/fp32): " + ", ".join(
+                f"{side} {_rate(figures.rates['bfloat16'][side])}/"
+                f"{_rate(figures.rates['float32'][side])}" for side in figures.matmul_sides),
             f"memory bandwidth: an elementwise op over {_bytes(figures.buffer_bytes)} per "
             f"device, bytes read + written",
-            f"kernel overhead: {figures.kernel_overhead * 1e6:.1f} us per tiny jitted op, "
-            f"dispatch included (no DeviceSpec field: not priced)",
+            f"kernel overhead: {figures.kernel_overhead * 1e6:.2f} us per kernel (a chain of "
+            f"tiny matmuls, each its own kernel, timed at two lengths)",
             f"collectives: medians of {self.repeats} repeats, dispatch excluded; each "
             f"axis's link is the joint fit of {' and '.join(LINK_KINDS)}" if self.links
             else "collectives: none timed (no axis of size > 1)",
@@ -152,7 +173,7 @@ class Profile:
                  f"{_rate(figures.flops['bfloat16'])}FLOP/s, fp32 "
                  f"{_rate(figures.flops['float32'])}FLOP/s; memory "
                  f"{_rate(figures.memory_bandwidth)}B/s; kernel overhead "
-                 f"{figures.kernel_overhead * 1e6:.1f} us"]
+                 f"{figures.kernel_overhead * 1e6:.2f} us per kernel"]
         for axis, fit in self.links.items():
             lines.append(f"axis {axis} ({self.source.shape[axis]} devices): "
                          f"{_rate(fit.bandwidth)}B/s, {fit.latency * 1e6:.1f} us "
@@ -194,14 +215,15 @@ def profile_mesh(mesh: DeviceMesh, sizes: Sequence[int] | None = None, quick: bo
         if size > 1:
             collectives[axis], links[axis] = _profile_axis(timer, mesh, axis, sizes)
     stats = first.memory_stats() or {}
+    overhead = timer.overhead()
     return Profile(
         source=mesh,
         device=DeviceFigures(
-            flops={dtype: max(timer.matmul(n, dtype) for n in sides)
+            rates={dtype: {n: timer.matmul(n, dtype, overhead) for n in sides}
                    for dtype in ("bfloat16", "float32")},
             memory_bandwidth=timer.bandwidth(buffer),
             memory_bytes=int(stats.get("bytes_limit", mesh.device.memory_bytes)),
-            kernel_overhead=timer.overhead(), matmul_sides=sides, buffer_bytes=buffer),
+            kernel_overhead=overhead, matmul_sides=sides, buffer_bytes=buffer),
         collectives=collectives, links=links, repeats=repeats,
         environment={"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                      "jax": jax.__version__, "jaxlib": jaxlib.__version__,
@@ -331,10 +353,16 @@ class _Timer:
                 break
         return seconds
 
-    def matmul(self, side: int, dtype: str) -> float:
-        """FLOP/s of a square matmul per device."""
-        seconds = self.loop(lambda y, w: y @ w, [((side, side), dtype)] * 2)
-        return _per_second(2.0 * side**3, seconds, f"{dtype} matmul")
+    def matmul(self, side: int, dtype: str, overhead: float) -> float:
+        """FLOP/s of a square matmul per device, beyond the kernel's ``overhead`` (priced
+        apart): chains of 1 and 3 dependent matmuls, the difference per matmul (a loop
+        iteration cancels out)."""
+        square = [((side, side), dtype)] * 2
+        seconds = (self.loop(_chain(3), square) - self.loop(_chain(1), square)) / 2
+        if seconds <= 0:  # lost in noise: the chain of 3 alone, loop iteration included
+            seconds = self.loop(_chain(3), square) / 3
+        return _per_second(2.0 * side**3, max(seconds - overhead, 0.5 * seconds),
+                           f"{dtype} matmul")
 
     def bandwidth(self, nbytes: int) -> float:
         """Bytes read + written per second by an elementwise op per device."""
@@ -342,13 +370,11 @@ class _Timer:
         return _per_second(2.0 * nbytes, seconds, "memory bandwidth")
 
     def overhead(self) -> float:
-        """Seconds of a tiny jitted op on every device, dispatch included."""
-        import jax
-
-        x = self._zeros((1,), "float32")
-        fn = jax.jit(lambda y: y + 1.0)
-        self._seconds(fn, x)  # compiled and warm
-        return statistics.median(self._seconds(fn, x) for _ in range(10 * self.repeats))
+        """Seconds one more kernel adds to a program on every device: chains of 1 and of
+        ``1 + _CHAIN`` dependent 8x8 matmuls (each its own kernel, its work negligible) in a
+        loop; the difference per matmul (a dispatch or loop iteration cancels out)."""
+        tiny = [((8, 8), "float32")] * 2
+        return max(self.loop(_chain(1 + _CHAIN), tiny) - self.loop(_chain(1), tiny), 0.0) / _CHAIN
 
     def collective(self, kind: str, axis: str, nbytes: int) -> float:
         """Seconds of one ``kind`` over ``axis`` with ``nbytes`` per device (B as the cost
@@ -367,6 +393,15 @@ class _Timer:
                 y, axis, [(i, (i + 1) % n) for i in range(n)]),
         }
         return self.loop(bodies[kind], [((elements,), "float32")])
+
+
+def _chain(length: int) -> Callable:
+    """A loop body of ``length`` dependent matmuls (each its own kernel)."""
+    def body(y, w):
+        for _ in range(length):
+            y = y @ w
+        return y
+    return body
 
 
 def _axis_notes(axis: str, size: int, link: Fit | None, fits: dict[str, Fit]) -> list[str]:

@@ -50,10 +50,12 @@ def test_size_one_axes_cost_nothing():
     assert cm.partitioner.partial_sum((16, 16), "float32", ((), ()), ("pipe",)) == ()
 
 
-def test_compute_and_memory_time(cm):
-    assert cm.compute(312e12, jnp.bfloat16) == pytest.approx(1.0)
-    assert cm.compute(156e12, "float32") == pytest.approx(1.0)  # TF32 tensor cores
-    assert cm.memory_time(1555e9) == pytest.approx(1.0)
+def test_compute_and_memory_time_at_the_achievable_fraction_of_the_datasheet(cm):
+    # a100-40gb: 312 TFLOP/s bf16, 156 TF32, 1555 GB/s; 65% and 71% achievable (H200-measured)
+    assert cm.compute(312e12 * 0.65, jnp.bfloat16) == pytest.approx(1.0)
+    assert cm.compute(156e12 * 0.65, "float32") == pytest.approx(1.0)  # TF32 tensor cores
+    assert cm.memory_time(1555e9 * 0.71) == pytest.approx(1.0)
+    assert "datasheet" in cm.mesh.device.source and cm.mesh.device.kernel_overhead > 0
 
 
 def test_reshard_by_hand(cm):

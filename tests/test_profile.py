@@ -40,6 +40,10 @@ def test_the_written_file_loads_as_the_measured_mesh(measured, tmp_path):
     assert all(_positive_finite(v) for v in (device.peak_flops_bf16, device.peak_flops_fp32,
                                              device.memory_bandwidth, device.memory_bytes))
     assert device.memory_bytes == spmd.load_mesh("cpu-8").device.memory_bytes  # CPU: no stats
+    assert device.kernel_overhead >= 0 and "measured by spmd profile" in device.source
+    assert [w for w, _ in device.matmul_curve] == [2.0 * side**3 for side in (32, 128)]
+    assert all(0 < f <= 1 for _, f in device.matmul_curve)
+    assert (device.matmul_fraction, device.bandwidth_fraction) == (1.0, 1.0)  # all measured
     link = loaded.links["model"]
     assert _positive_finite(link.bandwidth) and link.latency >= 0
     assert loaded.links["data"] == measured.source.links["data"]  # size 1: not measured

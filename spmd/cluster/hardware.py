@@ -1,4 +1,4 @@
-"""Per-device hardware figures used by the cost model, each with its datasheet source.
+"""Per-device hardware figures used by the cost model, each with its source.
 
 A mesh file names a device (``device: a100-40gb``) or gives these fields itself.
 """
@@ -8,14 +8,34 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+import numpy as np
+
 from spmd.errors import MeshError
 
 GIB = 1024**3
 
 
+#: Fractions of the datasheet a device achieves, measured on one H200 in this project
+#: (bench/gpu.py, jax 0.11.2): a bf16 8192^3 matmul ran at 638 TFLOP/s (65% of 989) and a
+#: copy at 3.41 TB/s (71% of 4.8). A device without figures of its own gets these.
+MATMUL_FRACTION = 0.65
+BANDWIDTH_FRACTION = 0.71
+#: Seconds a GPU kernel costs beyond its work (launch and XLA:GPU's thunk dispatch; a few
+#: microseconds on recent CUDA, NVIDIA's CUDA C++ Best Practices Guide, "kernel launch
+#: overhead"). Not measured here: ``spmd profile`` on a GPU measures it.
+GPU_KERNEL_OVERHEAD = 4e-6
+
+
 @dataclasses.dataclass(frozen=True)
 class DeviceSpec:
-    """What one accelerator can do; the planner's compute and memory model reads these."""
+    """What one accelerator can do; the planner's compute and memory model reads these.
+
+    The ``peak_*`` figures and ``memory_bandwidth`` are the datasheet's (or, for a profiled
+    device, the measured ones); the cost model prices what the device achieves:
+    ``flops(dtype)`` and ``bandwidth``, the datasheet times ``matmul_fraction`` and
+    ``bandwidth_fraction``, plus ``kernel_overhead`` per kernel. ``source`` says where the
+    figures come from.
+    """
 
     name: str
     peak_flops_bf16: float  # dense FLOP/s
@@ -26,10 +46,42 @@ class DeviceSpec:
     peak_flops_fp32: float
     memory_bytes: int  # usable device memory
     memory_bandwidth: float  # bytes/s, HBM (or DRAM) bandwidth
+    matmul_fraction: float = 1.0  # achieved / peak FLOP/s of large matmuls
+    bandwidth_fraction: float = 1.0  # achieved / peak memory bandwidth of a large copy
+    kernel_overhead: float = 0.0  # seconds per kernel beyond its work
+    source: str = ""  # where the figures come from
+    #: (FLOPs of one matmul, the fraction of ``flops`` it achieves) by size, as profiled:
+    #: small matmuls run far below a large one's rate. Empty: every size at ``flops``.
+    matmul_curve: tuple[tuple[float, float], ...] = ()
 
     def peak_flops(self, dtype_name: str) -> float:
         """Peak FLOP/s for a compute dtype: 16-bit types run on tensor cores, the rest at fp32 rate."""
         return self.peak_flops_bf16 if dtype_name in ("bfloat16", "float16") else self.peak_flops_fp32
+
+    def flops(self, dtype_name: str, matmul: float | None = None) -> float:
+        """Achievable FLOP/s for a compute dtype (what the cost model prices); ``matmul``,
+        the FLOPs of one matmul (per batch element), scales it by ``matmul_curve``,
+        interpolated in log FLOPs and held at its ends."""
+        rate = self.peak_flops(dtype_name) * self.matmul_fraction
+        if matmul is None or not self.matmul_curve:
+            return rate
+        work, fraction = zip(*self.matmul_curve)
+        return rate * float(np.interp(np.log(max(matmul, 1.0)), np.log(work), fraction))
+
+    @property
+    def bandwidth(self) -> float:
+        """Achievable memory bandwidth, bytes read + written per second."""
+        return self.memory_bandwidth * self.bandwidth_fraction
+
+
+def _gpu(name: str, bf16: float, fp32: float, memory: int, bandwidth: float,
+         sheet: str) -> DeviceSpec:
+    return DeviceSpec(name, bf16, fp32, memory, bandwidth, MATMUL_FRACTION, BANDWIDTH_FRACTION,
+                      GPU_KERNEL_OVERHEAD,
+                      f"{sheet}; achievable: {MATMUL_FRACTION:.0%} of the matmul and "
+                      f"{BANDWIDTH_FRACTION:.0%} of the bandwidth figures (as measured on an "
+                      f"H200), {GPU_KERNEL_OVERHEAD * 1e6:.0f} us per kernel (typical CUDA "
+                      f"launch); run `spmd profile` on the devices to measure them")
 
 
 # Sources: NVIDIA A100 datasheet (2021): 312 TFLOP/s bf16 dense, 156 TFLOP/s TF32 dense,
@@ -37,20 +89,29 @@ class DeviceSpec:
 # NVIDIA H100 SXM datasheet (2023): 989 TFLOP/s bf16 dense, 494.7 TFLOP/s TF32 dense (the
 # sheet's 989 is with sparsity), 80 GB at 3.35 TB/s.
 # NVIDIA H200 SXM datasheet (2024): H100's compute, 141 GB HBM3e at 4.8 TB/s.
-# "cpu": one simulated XLA CPU device sharing a small host; figures are rough so that plans for
-# cpu-8 weigh compute against the in-process copies that stand in for collectives.
+# "cpu": one simulated XLA CPU device sharing a small host. Its figures keep the ratios that
+# `spmd profile --mesh cpu-8` measured on a 2-core host (2026-12-01, 8 devices at once:
+# 9.2 GFLOP/s fp32 matmul, 4.0 GB/s memory, 1.0-1.4 GB/s links, ~1.5 us per kernel of one
+# device alone) scaled to the bundled meshes' 10 GB/s link, so that plans for cpu-8 weigh
+# compute, memory traffic and the in-process copies that stand in for collectives as that
+# host does. Profile your own host for figures that predict its step times.
 KNOWN_DEVICES: dict[str, DeviceSpec] = {
     spec.name: spec
     for spec in (
-        DeviceSpec("a100-40gb", 312e12, 156e12, 40 * 10**9, 1555e9),
-        DeviceSpec("a100-80gb", 312e12, 156e12, 80 * 10**9, 2039e9),
-        DeviceSpec("h100-80gb", 989e12, 494.7e12, 80 * 10**9, 3350e9),
-        DeviceSpec("h200-141gb", 989e12, 494.7e12, 141 * 10**9, 4800e9),
-        DeviceSpec("cpu", 50e9, 50e9, 2 * GIB, 10e9),
+        _gpu("a100-40gb", 312e12, 156e12, 40 * 10**9, 1555e9, "NVIDIA A100 datasheet (2021)"),
+        _gpu("a100-80gb", 312e12, 156e12, 80 * 10**9, 2039e9, "NVIDIA A100 datasheet (2021)"),
+        _gpu("h100-80gb", 989e12, 494.7e12, 80 * 10**9, 3350e9,
+             "NVIDIA H100 SXM datasheet (2023)"),
+        _gpu("h200-141gb", 989e12, 494.7e12, 141 * 10**9, 4800e9,
+             "NVIDIA H200 SXM datasheet (2024)"),
+        DeviceSpec("cpu", 50e9, 50e9, 2 * GIB, 30e9, 1.0, 1.0, 10e-6,
+                   "ratios of a 2-core host's cpu-8 profile, scaled to a 10 GB/s link"),
     )
 }
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(DeviceSpec))
+#: what a mesh file's device mapping must give (the rest have defaults)
+_REQUIRED = ("peak_flops_bf16", "peak_flops_fp32", "memory_bytes", "memory_bandwidth")
 
 
 def device_spec(value: str | Mapping[str, Any] | DeviceSpec, where: str = "device") -> DeviceSpec:
@@ -70,7 +131,7 @@ def device_spec(value: str | Mapping[str, Any] | DeviceSpec, where: str = "devic
         return KNOWN_DEVICES[value]
     if isinstance(value, Mapping):
         unknown = sorted(set(value) - set(_FIELDS))
-        missing = sorted(set(_FIELDS) - set(value) - {"name"})
+        missing = sorted(set(_REQUIRED) - set(value))
         if unknown or missing:
             raise MeshError(
                 f"{where}: device mapping has unknown keys {unknown} and lacks keys {missing}; "
@@ -84,7 +145,27 @@ def device_spec(value: str | Mapping[str, Any] | DeviceSpec, where: str = "devic
                 peak_flops_fp32=float(fields["peak_flops_fp32"]),
                 memory_bytes=int(float(fields["memory_bytes"])),
                 memory_bandwidth=float(fields["memory_bandwidth"]),
+                matmul_fraction=float(fields.get("matmul_fraction", 1.0)),
+                bandwidth_fraction=float(fields.get("bandwidth_fraction", 1.0)),
+                kernel_overhead=float(fields.get("kernel_overhead", 0.0)),
+                source=str(fields.get("source", "")),
+                matmul_curve=_curve(fields.get("matmul_curve", ()), where),
             )
         except (TypeError, ValueError) as err:
             raise MeshError(f"{where}: device fields must be numbers: {err}") from None
     raise MeshError(f"{where}: expected a device name or a mapping, got {type(value).__name__}")
+
+
+def _curve(value: Any, where: str) -> tuple[tuple[float, float], ...]:
+    """A device's ``matmul_curve`` as read from a mesh file: [FLOPs, fraction] pairs with
+    FLOPs increasing and fractions in (0, 1]."""
+    try:
+        pairs = tuple((float(work), float(fraction)) for work, fraction in value)
+    except (TypeError, ValueError):
+        raise MeshError(f"{where}.matmul_curve: expected a list of [FLOPs, fraction] pairs, "
+                        f"got {value!r}") from None
+    works = [w for w, _ in pairs]
+    if works != sorted(set(works)) or any(w <= 0 or not 0 < f <= 1 for w, f in pairs):
+        raise MeshError(f"{where}.matmul_curve: FLOPs must be positive and increasing and "
+                        f"fractions in (0, 1], got {value!r}")
+    return pairs

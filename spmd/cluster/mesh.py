@@ -395,8 +395,8 @@ def mesh_yaml(mesh: DeviceMesh, header: Sequence[str] = (),
     if mesh.virtual:
         lines.append("virtual: true")
     lines += ["device:", f"  name: {_plain(dev.name)}"]
-    lines += [f"  {f.name}: {_figure(getattr(dev, f.name))}" for f in dataclasses.fields(dev)
-              if f.name != "name"]
+    lines += [f"  {f.name}: " + _device_value(getattr(dev, f.name))
+              for f in dataclasses.fields(dev) if f.name != "name"]
     lines += [f"hosts: {mesh.hosts}", f"devices_per_host: {mesh.size // mesh.hosts}",
               "axes:  # outer to inner, each with its own link"]
     for name, size in zip(mesh.axis_names, mesh.axis_sizes):
@@ -405,6 +405,16 @@ def mesh_yaml(mesh: DeviceMesh, header: Sequence[str] = (),
         lines.append(f"  {name}: {{size: {size}, bandwidth: {_figure(link.bandwidth)}, "
                      f"latency: {_figure(link.latency)}}}")
     return "\n".join(lines) + "\n"
+
+
+def _device_value(value: Any) -> str:
+    """A device field as a mesh file writes it: text plain, figures as ``_figure``, a curve
+    as a flow list of pairs."""
+    if isinstance(value, str):
+        return _plain(value)
+    if isinstance(value, tuple):
+        return "[" + ", ".join(f"[{_figure(a)}, {_figure(b)}]" for a, b in value) + "]"
+    return _figure(value)
 
 
 def _figure(value: float) -> str:

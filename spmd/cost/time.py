@@ -109,10 +109,11 @@ class CostModel:
         return sum(self.time(c) for c in colls), colls
 
     # -- compute ----------------------------------------------------------------------------
-    def compute(self, flops: float, dtype) -> float:
-        """Seconds for ``flops`` at the device's peak rate for ``dtype``."""
-        return float(flops) / self.mesh.device.peak_flops(np.dtype(dtype).name)
+    def compute(self, flops: float, dtype, matmul: float | None = None) -> float:
+        """Seconds for ``flops`` at the device's achievable rate for ``dtype``, that of a
+        matmul of ``matmul`` FLOPs (per batch element) when given (``DeviceSpec.flops``)."""
+        return float(flops) / self.mesh.device.flops(np.dtype(dtype).name, matmul)
 
     def memory_time(self, nbytes: float) -> float:
-        """Seconds to stream ``nbytes`` through device memory (memory-bound elementwise ops)."""
-        return float(nbytes) / self.mesh.device.memory_bandwidth
+        """Seconds to read or write ``nbytes`` of device memory (the roofline's memory term)."""
+        return float(nbytes) / self.mesh.device.bandwidth

@@ -3,7 +3,10 @@ pinned, so the search and every hand-written plan's scoring share it.
 
 For every node it holds the strategies (op nodes: the rules'; inputs: their free candidates;
 constants: replicated) and, per strategy, compute seconds and the communication the node
-itself does; for every value it prices a reshard once per (value, target spec, loop level),
+itself does. Compute is a roofline per op: its FLOPs at the device's achievable rate (that of
+one of its matmuls' size, ``DeviceSpec.flops``) or the bytes its kernel reads and writes in
+device memory at the achievable bandwidth (``spmd.search.fusion`` says which ops share a
+kernel), whichever is longer, plus the per-kernel overhead once per kernel; for every value it prices a reshard once per (value, target spec, loop level),
 as XLA's partitioner does it (``reshard_time``). ``spmd.search.encode`` lays these numbers
 out as the solver's request under one set of pins, ``spmd.search.predict`` evaluates the
 same numbers for the chosen plan: one pricing path.
@@ -55,7 +58,9 @@ from spmd.cluster.mesh import DeviceMesh
 from spmd.cost.time import CostModel
 from spmd.errors import PlanError
 from spmd.memory.liveness import Liveness
-from spmd.sharding import Spec, all_specs, bytes_per_device, format_spec, is_valid, replicated
+from spmd.search.fusion import IN_PLACE, SLICING, fuse, traffic_operands
+from spmd.sharding import (Spec, all_specs, bytes_per_device, format_spec, is_valid, replicated,
+                           shard_shape)
 from spmd.trace.graph import Graph, Node, Value, array_bytes
 
 __all__ = ["CostGraph", "InputInfo", "Read", "input_strategy"]
@@ -165,20 +170,32 @@ class CostGraph:
         #: communication (off the critical path: bandwidth only), both x ``Node.repeat``
         self.compute: list[np.ndarray] = []
         self.comm: list[np.ndarray] = []
-        memo: dict[tuple, tuple[list[_rules.Strategy], np.ndarray, np.ndarray]] = {}
+        #: which ops run as one kernel: what each op reads and writes in device memory
+        self.fusion = fuse(graph)
+        #: per op node and strategy: the seconds its memory traffic adds beyond its FLOPs
+        #: (the part of ``compute`` that is memory-bound), x ``Node.repeat``
+        self.memory_bound: list[np.ndarray] = []
+        #: per node: the per-kernel overhead it adds to every strategy's ``compute`` (the
+        #: first node of each kernel carries its kernel's), x ``Node.repeat``
+        self.launch: list[float] = []
+        overhead = mesh.device.kernel_overhead
+        memo: dict[tuple, tuple[list[_rules.Strategy], np.ndarray, np.ndarray, np.ndarray]] = {}
         for n in nodes:
             off = n.id in self.off_path
-            key = (_op_key(n), off) if n.kind == "op" else None
+            key = ((_op_key(n), off, self.fusion.key(n.id)) if n.kind == "op" else None)
             if key is not None and key in memo:
-                ss, compute, comm = memo[key]
+                ss, compute, comm, excess = memo[key]
             else:
                 ss = self._strategies(n)
-                compute, comm = self._price(n, ss, off)
+                compute, comm, excess = self._price(n, ss, off)
                 if key is not None:
-                    memo[key] = (ss, compute, comm)
+                    memo[key] = (ss, compute, comm, excess)
+            launch = overhead * n.repeat if self.fusion.kernel[n.id] == n.id else 0.0
             self.strats.append(ss)
-            self.compute.append(compute * n.repeat if n.repeat != 1 else compute)
+            self.compute.append(compute * n.repeat + launch)
             self.comm.append(comm * n.repeat if n.repeat != 1 else comm)
+            self.memory_bound.append(excess * n.repeat if n.repeat != 1 else excess)
+            self.launch.append(launch)
         self.reads = self._reads()
         self.aliased = {graph.outputs[o].node for o in self.aliases
                         if graph.outputs[o] is not None}
@@ -206,17 +223,56 @@ class CostGraph:
         return _rules.strategies(n.op, self.ctx)
 
     def _price(self, n: Node, ss: Sequence[_rules.Strategy], off_path: bool
-               ) -> tuple[np.ndarray, np.ndarray]:
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per strategy: compute seconds (a roofline: the op's FLOPs at the device's
+        achievable rate or its memory traffic at its achievable bandwidth, whichever is
+        longer), communication seconds, and the part of compute that is memory-bound."""
         if n.kind != "op":
-            return np.zeros(len(ss)), np.zeros(len(ss))
+            return np.zeros(len(ss)), np.zeros(len(ss)), np.zeros(len(ss))
         dtype = op_dtype(n)
-        compute = np.array([self.cost.compute(s.flops, dtype) if s.flops else 0.0 for s in ss])
+        flop_time = np.array([self.cost.compute(s.flops, dtype, self._matmul_size(n, s))
+                              if s.flops else 0.0 for s in ss])
+        traffic = np.array([self.cost.memory_time(self._traffic(n, s)) for s in ss])
+        compute = np.maximum(flop_time, traffic)
         # Off the critical path XLA combines a kind's collectives into one: each pays its
         # bandwidth here, their shared latency once per plan (``charges``).
         comm = np.array([sum(self.cost.split(c)[0]
                              if off_path and self.cost.partitioner.combine_key(c)
                              else self.cost.time(c) for c in s.collectives) for s in ss])
-        return compute, comm
+        return compute, comm, compute - flop_time
+
+    def _matmul_size(self, n: Node, s: _rules.Strategy) -> float | None:
+        """FLOPs of one matmul an op runs on a device under ``s`` (a batched dot runs one per
+        local batch element), which sets its achievable rate; None for other ops."""
+        if n.op.primitive == "dot_general":
+            (_, _), (batch, _) = n.op.params["dimension_numbers"]
+            local = shard_shape(n.op.in_shapes[0], s.in_specs[0], self.mesh_shape)
+            return s.flops / max(1, math.prod(local[d] for d in batch))
+        if n.op.primitive == "conv_general_dilated":
+            return s.flops
+        return None
+
+    def _traffic(self, n: Node, s: _rules.Strategy) -> float:
+        """Bytes one device reads and writes in memory for an op under ``s``: the operands
+        its kernel reads from outside and the outputs it writes out (``spmd.search.fusion``),
+        at the op's local shapes."""
+        op, fusion = n.op, self.fusion
+        reads, writes = fusion.reads[n.id], fusion.writes[n.id]
+
+        def local(shape, dtype, spec) -> float:
+            return 0.0 if dtype is None else float(
+                bytes_per_device(shape, dtype, spec, self.mesh_shape))
+
+        total = sum(local(op.in_shapes[k], op.in_dtypes[k], s.in_specs[k])
+                    for k in traffic_operands(op.primitive, len(op.in_shapes)) if reads[k])
+        outs = [local(shape, dtype, spec)
+                for shape, dtype, spec in zip(op.out_shapes, op.out_dtypes, s.out_specs)]
+        if op.primitive in SLICING and reads[0]:
+            total += outs[0]  # the rows or window it returns, read from operand 0
+        if op.primitive in IN_PLACE:  # writes its update into operand 0's buffer
+            k = IN_PLACE[op.primitive]
+            outs[0] = local(op.in_shapes[k], op.in_dtypes[k], s.in_specs[k])
+        return total + sum(b for b, w in zip(outs, writes) if w)
 
     def tie_break(self, node: int, specs: Sequence[Spec]) -> np.ndarray:
         """An input's or constant's own cost per spec: a tie-break between equally fast

@@ -28,6 +28,10 @@ class Prediction:
 
     Attributes:
       compute_time: seconds of FLOPs at the device's rate.
+      memory_time: seconds memory-bound ops add beyond their FLOPs: a roofline per op, whose
+        bytes are what its kernel reads and writes in device memory
+        (``spmd.search.fusion``), at the device's achievable bandwidth.
+      launch_time: the per-kernel overhead times the kernels the step runs.
       comm_time: seconds of collectives (the plan's own and its reshards).
       memory_bytes: peak bytes live at once (liveness over the op graph).
       collectives: kind -> (count, bytes) of what XLA is predicted to emit per step.
@@ -43,15 +47,18 @@ class Prediction:
     memory_bytes: float
     collectives: Mapping[str, tuple[int, float]]
     objective: float
+    memory_time: float = 0.0
+    launch_time: float = 0.0
     recompute_time: float = 0.0
     bubble_time: float = 0.0
     overlap_time: float = 0.0
 
     @property
     def total_time(self) -> float:
-        """Seconds per step: compute, communication, recompute and bubble, less overlap."""
-        return (self.compute_time + self.comm_time + self.recompute_time + self.bubble_time
-                - self.overlap_time)
+        """Seconds per step: compute (FLOPs, memory-bound excess, kernel launches),
+        communication, recompute and bubble, less overlap."""
+        return (self.compute_time + self.memory_time + self.launch_time + self.comm_time
+                + self.recompute_time + self.bubble_time - self.overlap_time)
 
     @property
     def collective_bytes(self) -> float:
@@ -59,12 +66,13 @@ class Prediction:
 
     def scaled(self, factor: float) -> "Prediction":
         """Every time multiplied by ``factor`` (memory and collectives unchanged)."""
-        times = ("compute_time", "comm_time", "objective", "recompute_time", "bubble_time",
-                 "overlap_time")
+        times = ("compute_time", "comm_time", "objective", "memory_time", "launch_time",
+                 "recompute_time", "bubble_time", "overlap_time")
         return dataclasses.replace(self, **{k: getattr(self, k) * factor for k in times})
 
     def to_dict(self) -> dict:
         return {"compute_time": self.compute_time, "comm_time": self.comm_time,
+                "memory_time": self.memory_time, "launch_time": self.launch_time,
                 "recompute_time": self.recompute_time, "bubble_time": self.bubble_time,
                 "overlap_time": self.overlap_time, "total_time": self.total_time,
                 "objective": self.objective, "memory_bytes": self.memory_bytes,
@@ -74,8 +82,10 @@ class Prediction:
     def from_dict(cls, d: Mapping) -> "Prediction":
         return cls(float(d["compute_time"]), float(d["comm_time"]), float(d["memory_bytes"]),
                    {k: (int(v[0]), float(v[1])) for k, v in d["collectives"].items()},
-                   float(d["objective"]), float(d.get("recompute_time", 0.0)),
-                   float(d.get("bubble_time", 0.0)), float(d.get("overlap_time", 0.0)))
+                   float(d["objective"]), float(d.get("memory_time", 0.0)),
+                   float(d.get("launch_time", 0.0)),
+                   float(d.get("recompute_time", 0.0)), float(d.get("bubble_time", 0.0)),
+                   float(d.get("overlap_time", 0.0)))
 
 
 def predict(enc: Encoding, node_choice: Sequence[int]) -> Prediction:
@@ -83,7 +93,7 @@ def predict(enc: Encoding, node_choice: Sequence[int]) -> Prediction:
     cg: CostGraph = enc.cg
     graph = cg.graph
     partitioner = cg.cost.partitioner
-    compute = comm = tie_break = 0.0
+    compute = comm = memory = launch = tie_break = 0.0
     counts = {k: [0, 0.0] for k in COLLECTIVE_KINDS}
     combined: set = set()  # (kind, axes) groups XLA merged into one collective
     picked: set[tuple[int, int]] = set()  # (root, root strategy) chosen: charges paid
@@ -98,6 +108,8 @@ def predict(enc: Encoding, node_choice: Sequence[int]) -> Prediction:
             tie_break += float(cg.tie_break(n.id, s.out_specs)[0])
             continue
         compute += float(cg.compute[n.id][j])
+        memory += float(cg.memory_bound[n.id][j])
+        launch += cg.launch[n.id]
         comm += float(cg.comm[n.id][j])
         off = n.id in cg.off_path
         for c in s.collectives:
@@ -128,6 +140,7 @@ def predict(enc: Encoding, node_choice: Sequence[int]) -> Prediction:
     live = cg.liveness
     nbytes = np.array([float(cg.bytes_row(v, (strategy[v.node].out_specs[v.index],))[0])
                        for v, _, _ in live.intervals])
-    return Prediction(compute, comm, live.peak(nbytes),
+    return Prediction(compute - memory - launch, comm, live.peak(nbytes),
                       {k: (c, b) for k, (c, b) in counts.items()},
-                      objective=compute + comm + tie_break)
+                      objective=compute + comm + tie_break, memory_time=memory,
+                      launch_time=launch)

@@ -1,0 +1,137 @@
+"""Which ops XLA runs as one kernel, so that the cost graph can price what a kernel reads and
+writes in device memory (the roofline's bytes) and how many kernels a step launches.
+
+XLA's fusion passes (``InstructionFusion``, ``MultiOutputFusion``, on GPU and CPU alike) merge
+elementwise ops, broadcasts, reshapes, slices and concatenations with one another into loop
+fusions, and merge such producers into a reduction that consumes them (an input fusion). A
+value passed inside a fusion never touches device memory; one that crosses a fusion's edge
+is written once by its producer and read by every kernel that consumes it. Matmuls,
+convolutions, transposes, gathers, scatters, sorts, cumulative ops and loops are kernels of
+their own (a library call or a fusion root XLA does not merge across).
+
+The approximation here (``fuse``): an edge producer -> consumer is *inside* a kernel when both
+ops are fusible, the producer is not a reduction (a reduction ends its fusion: its consumers
+read its result from memory) and both run in the same loop body; kernels are the connected
+components of such edges. Where XLA differs:
+
+* it may refuse a fusion that would duplicate expensive work or exceed its size limits (then
+  there are more kernels and more traffic than counted here), or duplicate a cheap producer
+  into two consumers (the same traffic, counted here as one kernel);
+* a layer norm's statistics and its normalization are usually two fusions on GPU (the input
+  is read twice); here they form one kernel that reads it once;
+* a matmul's bias or activation can be a cuBLAS epilogue on GPU (its output is not written
+  and read again); here it is;
+* XLA:CPU runs a ``dot`` inside a loop fusion when its operands are small.
+
+Scan boundary pseudo-ops (``scan_carry``, ``scan_slice``, ...) move no data of their own and
+launch nothing: their consumers read what they carry, their producers write it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from spmd.rules.elementwise import ELEMENTWISE
+from spmd.rules.random import KEY_OPS
+from spmd.rules.reduce import ARG_REDUCTIONS, REDUCTIONS
+from spmd.trace.graph import Graph
+
+__all__ = ["FREE", "FUSIBLE", "Fusion", "fuse"]
+
+#: ops XLA merges with their neighbours into loop fusions
+FUSIBLE = frozenset(ELEMENTWISE) | frozenset(REDUCTIONS) | frozenset(ARG_REDUCTIONS) | {
+    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "iota", "slice", "dynamic_slice",
+    "pad", "concatenate", "rev", "split", "random_bits", *KEY_OPS}
+#: ends a fusion: its consumers read its result from memory
+_ROOTS = frozenset(REDUCTIONS) | frozenset(ARG_REDUCTIONS)
+#: pseudo-ops carrying values across a scan's boundary: no kernel, no traffic
+FREE = frozenset({"scan_carry", "scan_carry_out", "scan_slice", "scan_stack"})
+#: ops that read only the part of operand 0 they return (as many bytes as their output)
+SLICING = frozenset({"gather", "slice", "dynamic_slice"})
+#: ops that update operand 0 in place: they read and write only the update (operand 1 for
+#: dynamic_update_slice, 2 for scatters), not the whole buffer
+IN_PLACE = {"dynamic_update_slice": 1, "scatter-add": 2, "scatter_add": 2, "scatter": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Fusion:
+    """A step's ops grouped into kernels.
+
+    Attributes:
+      kernel: per node, the id of the kernel it runs in (the id of the kernel's first node),
+        or -1 (inputs, constants, scan boundary pseudo-ops: no kernel).
+      reads: per node, per operand: whether the node reads it from device memory (its
+        producer is in another kernel, or is an input or constant).
+      writes: per node, per output: whether it is written to device memory (read by another
+        kernel or a loop boundary, or a step output).
+      launches: kernels the step runs, each counted once per iteration of the loops around it.
+    """
+
+    kernel: tuple[int, ...]
+    reads: tuple[tuple[bool, ...], ...]
+    writes: tuple[tuple[bool, ...], ...]
+    launches: int
+
+    def key(self, node: int) -> tuple:
+        """What of the fusion decides a node's traffic (part of its pricing memo's key)."""
+        return self.reads[node], self.writes[node]
+
+
+def fuse(graph: Graph) -> Fusion:
+    """Group ``graph``'s ops into kernels (module docstring)."""
+    nodes = graph.nodes
+    parent = list(range(len(nodes)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    def fusible(i: int) -> bool:
+        n = nodes[i]
+        return n.kind == "op" and n.op.primitive in FUSIBLE
+
+    def inside(producer: int, consumer: int) -> bool:
+        return (fusible(producer) and fusible(consumer)
+                and nodes[producer].op.primitive not in _ROOTS
+                and nodes[producer].repeat == nodes[consumer].repeat
+                and nodes[producer].scan == nodes[consumer].scan)
+
+    for n in nodes:
+        for v in n.operands:
+            if v is not None and inside(v.node, n.id):
+                a, b = find(v.node), find(n.id)
+                parent[max(a, b)] = min(a, b)
+    launches_at = {}
+    kernel = []
+    for n in nodes:
+        if n.kind != "op" or n.op.primitive in FREE:
+            kernel.append(-1)
+            continue
+        root = find(n.id)
+        kernel.append(root)
+        launches_at[root] = max(launches_at.get(root, 0), n.repeat)
+    reads: list[tuple[bool, ...]] = []
+    read_outside: set[tuple[int, int]] = set()  # (node, output) read across a kernel's edge
+    for n in nodes:
+        row = tuple(v is not None and kernel[n.id] != -1 and kernel[v.node] != kernel[n.id]
+                    for v in n.operands)
+        reads.append(row)
+        for v in n.operands:
+            if v is not None and (kernel[n.id] == -1 or kernel[v.node] != kernel[n.id]):
+                read_outside.add((v.node, v.index))
+    outputs = {(v.node, v.index) for v in graph.outputs if v is not None}
+    writes = tuple(tuple(kernel[n.id] != -1 and ((n.id, k) in read_outside
+                                                 or (n.id, k) in outputs)
+                         for k in range(len(n.op.out_shapes)))
+                   for n in nodes)
+    return Fusion(tuple(kernel), tuple(reads), writes, sum(launches_at.values()))
+
+
+def traffic_operands(primitive: str, n_operands: int) -> Sequence[int]:
+    """The operands an op reads whole (``SLICING`` ops read as much of operand 0 as they
+    return; ``IN_PLACE`` ops touch only their update of it)."""
+    skip = {0} if primitive in SLICING or primitive in IN_PLACE else set()
+    return [k for k in range(n_operands) if k not in skip]
