@@ -90,11 +90,12 @@ def _gpu(name: str, bf16: float, fp32: float, memory: int, bandwidth: float,
 # sheet's 989 is with sparsity), 80 GB at 3.35 TB/s.
 # NVIDIA H200 SXM datasheet (2024): H100's compute, 141 GB HBM3e at 4.8 TB/s.
 # "cpu": one simulated XLA CPU device sharing a small host. Its figures keep the ratios that
-# `spmd profile --mesh cpu-8` measured on a 2-core host (2026-12-01, 8 devices at once:
-# 9.2 GFLOP/s fp32 matmul, 4.0 GB/s memory, 1.0-1.4 GB/s links, ~1.5 us per kernel of one
-# device alone) scaled to the bundled meshes' 10 GB/s link, so that plans for cpu-8 weigh
-# compute, memory traffic and the in-process copies that stand in for collectives as that
-# host does. Profile your own host for figures that predict its step times.
+# `spmd profile --mesh cpu-8` measured on a 2-core host (2026-12-01, 8 devices at once: 9.2
+# GFLOP/s fp32 matmul, 4.0 GB/s memory, 1.0-1.4 GB/s links, 50-95 us latency; 0.3-1.5 us per
+# kernel on one device alone), scaled by 8 to the bundled meshes' 10 GB/s link (33 GB/s, 76
+# GFLOP/s, kept at 50), so that plans for cpu-8 weigh compute, memory traffic and the
+# in-process copies that stand in for collectives as that host does. Profile your own host
+# for figures that predict its step times.
 KNOWN_DEVICES: dict[str, DeviceSpec] = {
     spec.name: spec
     for spec in (
@@ -104,7 +105,7 @@ KNOWN_DEVICES: dict[str, DeviceSpec] = {
              "NVIDIA H100 SXM datasheet (2023)"),
         _gpu("h200-141gb", 989e12, 494.7e12, 141 * 10**9, 4800e9,
              "NVIDIA H200 SXM datasheet (2024)"),
-        DeviceSpec("cpu", 50e9, 50e9, 2 * GIB, 30e9, 1.0, 1.0, 10e-6,
+        DeviceSpec("cpu", 50e9, 50e9, 2 * GIB, 30e9, 1.0, 1.0, 1e-6,
                    "ratios of a 2-core host's cpu-8 profile, scaled to a 10 GB/s link"),
     )
 }
