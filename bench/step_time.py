@@ -72,7 +72,7 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 #: (part, quick) -> the models it runs
 PART_MODELS: dict[tuple[str, bool], tuple[str, ...]] = {
-    ("one-device", False): ("gpt-4x256", "mlp-small", "moe-tiny", "wresnet-tiny"),
+    ("one-device", False): ("gpt-tiny", "gpt-4x256", "mlp-small", "moe-tiny", "wresnet-tiny"),
     ("one-device", True): ("gpt-tiny", "mlp-tiny"),
     ("cpu-8", False): ("gpt-tiny", "mlp-tiny", "mlp-small", "moe-tiny", "wresnet-tiny"),
     ("cpu-8", True): ("mlp-tiny",),  # 7 plans that compile in about a second each
