@@ -1,5 +1,7 @@
 """Running a plan: the step jitted under its shardings, donated, compiled with per-compile XLA
 options and kept (``compile``: ``prepare`` for a step, ``jit_region`` for a region on its
 submesh, what a pipeline stage runs), with sharding constraints inside the step
-(``constrain``). A plan itself is data (``spmd.plan``); everything that runs it lives here.
+(``constrain``), and its NNX state read and written back on repeat calls without walking
+the graph (``nodes``). A plan itself is data (``spmd.plan``); everything that runs it lives
+here.
 """

@@ -10,6 +10,7 @@ so a plan (hand-written or searched) can be expressed leaf by leaf.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from typing import Any, Callable, Sequence
 
@@ -72,11 +73,15 @@ def _aval(x: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x))
 
 
+def split_step_args(args: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """A step's NNX graph nodes and its plain pytrees, each in argument order."""
+    return (tuple(a for a in args if _is_node(a)), tuple(a for a in args if not _is_node(a)))
+
+
 def flatten_step_args(args: Sequence[Any]) -> tuple[list[Any], Any]:
     """The flat leaves and structure of a step's arguments: the NNX graph nodes' state first
     (one ``nnx.State`` over all of them), then the plain pytrees, in argument order."""
-    nodes = tuple(a for a in args if _is_node(a))
-    trees = tuple(a for a in args if not _is_node(a))
+    nodes, trees = split_step_args(args)
     return jax.tree.flatten((nnx.state(nodes) if nodes else None, trees))
 
 
@@ -141,6 +146,23 @@ class StepSignature:
         if self.graphdef is not None:
             nnx.update(tuple(args[i] for i in self.node_positions), new_state)
         return out
+
+    @functools.cached_property
+    def state_round_trips(self) -> bool:
+        """Whether the new NNX state has the input state's structure, Variable metadata
+        included: then ``nnx.update`` only replaces each Variable's value, in input order,
+        which ``spmd.runtime.nodes`` does without walking the graph. A step that adds a
+        Variable (``sow``) or changes metadata does not, and goes through ``nnx.update``."""
+        return self.in_treedef.children()[0] == self._out_treedef.children()[0]
+
+    @functools.cached_property
+    def _result_treedef(self) -> Any:
+        return self._out_treedef.children()[1]
+
+    def unflatten_result(self, flat_out: Sequence[Any]) -> Any:
+        """The user's own result from the flat outputs, the new NNX state (the first
+        ``num_state_leaves``, when ``state_round_trips``) left to the caller."""
+        return jax.tree.unflatten(self._result_treedef, flat_out[self.num_state_leaves:])
 
     def unflatten_inputs(self, flat: Sequence[Any]) -> tuple:
         """Arrange per-leaf values (e.g. shardings) like the example arguments; NNX nodes get
