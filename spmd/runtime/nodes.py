@@ -17,7 +17,8 @@ raw array attribute, a Variable holding a ``Ref`` or a pytree) falls back to the
 before. The cache keeps the walked containers and Variables alive but not the argument
 objects themselves: when one of those is collected, the entry is dropped.
 
-Flax internals relied on (flax 0.12): a Variable's ``_raw_value`` slot, written as
+Flax internals relied on (flax 0.12; a Flax without the modules imported below gets the
+walk on every call): a Variable's ``_raw_value`` slot, written as
 ``nnx.update`` writes it but without its per-Variable trace check (5 us each), and its
 ``_var_metadata`` dict, read without the copy ``get_metadata`` makes.
 """
@@ -30,8 +31,15 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 from flax import nnx
-from flax.nnx import graphlib, tracers, variablelib
-from flax.nnx.pytreelib import PytreeState
+
+try:  # Flax internals (checked on flax 0.12.8): without them every call walks the graph
+    from flax.nnx import graphlib, tracers, variablelib
+    from flax.nnx.pytreelib import PytreeState
+
+    _FAST = (all(hasattr(nnx.Variable, name) for name in ("get_raw_value", "hijax"))
+             and {"_raw_value", "_var_metadata"} <= set(getattr(nnx.Variable, "__slots__", ())))
+except ImportError:  # pragma: no cover - a Flax that moved them
+    _FAST = False
 
 __all__ = ["NodeState", "NodeStateCache", "StateRead"]
 
@@ -183,7 +191,8 @@ class NodeStateCache:
     def remember(self, nodes: tuple[Any, ...], read: StateRead) -> None:
         """Keep what ``read`` walked of ``nodes``, once ``nnx.update`` has written the step's
         new state of the same structure (``StepSignature.state_round_trips``) into them."""
-        self._entry = _entry(nodes, read, _forget(weakref.ref(self)))
+        if _FAST:
+            self._entry = _entry(nodes, read, _forget(weakref.ref(self)))
 
 
 def _entry(nodes: tuple[Any, ...], read: StateRead,
