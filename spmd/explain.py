@@ -111,7 +111,8 @@ def _prediction_table(plan: "Plan"):
     table = Table(title="predicted cost per step (cost model)")
     for col in ("plan", "compute ms", "memory-bound ms", "launch ms", "comm ms", "total ms",
                 "collective MiB", "memory MiB", "note"):
-        table.add_column(col, justify="left" if col in ("plan", "note") else "right")
+        table.add_column(col, justify="left" if col in ("plan", "note") else "right",
+                         no_wrap=col == "plan")
     entries = ([(f"{plan.method} (this plan)", plan.prediction)] if plan.prediction else [])
     entries += list(plan.alternatives.items())
     for name, pred in entries:
