@@ -6,10 +6,11 @@ constants: replicated) and, per strategy, compute seconds and the communication 
 itself does. Compute is a roofline per op: its FLOPs at the device's achievable rate (that of
 one of its matmuls' size, ``DeviceSpec.flops``) or the bytes its kernel reads and writes in
 device memory at the achievable bandwidth (``spmd.search.fusion`` says which ops share a
-kernel), whichever is longer, plus the per-kernel overhead once per kernel; for every value it prices a reshard once per (value, target spec, loop level),
-as XLA's partitioner does it (``reshard_time``). ``spmd.search.encode`` lays these numbers
-out as the solver's request under one set of pins, ``spmd.search.predict`` evaluates the
-same numbers for the chosen plan: one pricing path.
+kernel), whichever is longer, plus the per-kernel overhead once per kernel. For every value
+it prices a reshard once per (value, target spec, loop level), as XLA's partitioner does it
+(``reshard_time``). ``spmd.search.encode`` lays these numbers out as the solver's request
+under one set of pins, ``spmd.search.predict`` evaluates the same numbers for the chosen
+plan: one pricing path.
 
 Keeping the program small (every reduction counted in ``stats``):
 
@@ -182,7 +183,7 @@ class CostGraph:
         memo: dict[tuple, tuple[list[_rules.Strategy], np.ndarray, np.ndarray, np.ndarray]] = {}
         for n in nodes:
             off = n.id in self.off_path
-            key = ((_op_key(n), off, self.fusion.key(n.id)) if n.kind == "op" else None)
+            key = (_op_key(n), off, self.fusion.key(n.id)) if n.kind == "op" else None
             if key is not None and key in memo:
                 ss, compute, comm, excess = memo[key]
             else:
