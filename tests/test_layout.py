@@ -25,7 +25,7 @@ LAYERS = [
      "spmd.search.predict", "spmd.search.intra_op", "spmd.search.regions"},
     {"spmd.plan", "spmd.explain", "spmd.logical", "spmd.manual"},
     {"spmd.planner", "spmd.cache"},
-    {"spmd.runtime.constrain", "spmd.runtime.compile"},
+    {"spmd.runtime.constrain", "spmd.runtime.compile", "spmd.runtime.nodes"},
     {"spmd.analysis.hlo", "spmd.analysis.reconcile", "spmd.analysis.report", "spmd.data"},
     {"spmd.api"},
     {"spmd.checkpoint"},  # a step's state on disk, restored into any plan's shardings
