@@ -13,7 +13,7 @@ ROOT = Path(__file__).parent.parent
 
 def test_two_processes_match_one_process(tmp_path, capsys):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
-    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
     multi = tmp_path / "multi.json"
     run = [sys.executable, "-m", "spmd.cli", "run", "--model", "gpt-tiny", "--method", "dp_tp",
            "--steps", "3", "--mesh", "cpu-2x4"]
