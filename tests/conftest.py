@@ -6,17 +6,33 @@ compiling tiny programs, so this halves it. ``--xla_cpu_use_fusion_emitters=fals
 CPU fusion's kernel with XLA's older elemental emitter rather than its MLIR fusion emitters,
 in about half the time. The partitioned program is the same (the same collectives, counts and
 bytes; only the wrapping of lone ops into fusions differs, and with it temp buffers by a few
-hundred bytes of 1.4 MB on gpt-tiny). If a later jaxlib drops the flag, XLA refuses to start
-("Unknown flag"): delete it here and in test_multiprocess.py.
+hundred bytes of 1.4 MB on gpt-tiny). An unknown flag aborts XLA ("Unknown flag"), so that
+one is first tried in a subprocess (about 2 s) and left out where this jaxlib lacks it.
 """
 
 import os
+import subprocess
+import sys
 import tempfile
 
+#: compile-speed flags every test process (and test_multiprocess.py's workers) runs with
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0"
+_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+
+
+def _xla_knows(flag: str) -> bool:
+    """Whether this jaxlib starts with ``flag`` in XLA_FLAGS (it aborts on one it lacks)."""
+    env = {**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                         capture_output=True, timeout=120)
+    return run.returncode == 0
+
+
+if _xla_knows(_EMITTERS):
+    FAST_COMPILE_FLAGS += " " + _EMITTERS
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-    + " --xla_cpu_use_fusion_emitters=false"
+    + " --xla_force_host_platform_device_count=8 " + FAST_COMPILE_FLAGS
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Plans searched in tests are cached per test session, never in the user's cache.

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import FAST_COMPILE_FLAGS
 from spmd.cli import main
 
 ROOT = Path(__file__).parent.parent
@@ -13,7 +14,7 @@ ROOT = Path(__file__).parent.parent
 
 def test_two_processes_match_one_process(tmp_path, capsys):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
-    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+    env["XLA_FLAGS"] = FAST_COMPILE_FLAGS
     multi = tmp_path / "multi.json"
     run = [sys.executable, "-m", "spmd.cli", "run", "--model", "gpt-tiny", "--method", "dp_tp",
            "--steps", "3", "--mesh", "cpu-2x4"]
