@@ -84,6 +84,7 @@ class DeviceFigures:
     memory_bytes: int
     kernel_overhead: float  # seconds one more kernel adds to a program
     matmul_sides: tuple[int, ...]  # the square matmuls timed
+    buffer_bytes: int  # the elementwise op's buffer per device
 
     @property
     def flops(self) -> dict[str, float]:
@@ -97,7 +98,6 @@ class DeviceFigures:
         return tuple((2.0 * side**3, _round(float(np.mean(
             [rates[side] / best[dtype] for dtype, rates in self.rates.items()]))))
             for side in self.matmul_sides)
-    buffer_bytes: int  # the elementwise op's buffer per device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -358,9 +358,9 @@ class _Timer:
         apart): chains of 1 and 3 dependent matmuls, the difference per matmul (a loop
         iteration cancels out)."""
         square = [((side, side), dtype)] * 2
-        seconds = (self.loop(_chain(3), square) - self.loop(_chain(1), square)) / 2
-        if seconds <= 0:  # lost in noise: the chain of 3 alone, loop iteration included
-            seconds = self.loop(_chain(3), square) / 3
+        three, one = self.loop(_chain(3), square), self.loop(_chain(1), square)
+        # lost in noise: the chain of 3 alone, its loop iteration included
+        seconds = (three - one) / 2 if three > one else three / 3
         return _per_second(2.0 * side**3, max(seconds - overhead, 0.5 * seconds),
                            f"{dtype} matmul")
 

@@ -59,7 +59,7 @@ from spmd.cluster.mesh import DeviceMesh
 from spmd.cost.time import CostModel
 from spmd.errors import PlanError
 from spmd.memory.liveness import Liveness
-from spmd.search.fusion import IN_PLACE, SLICING, fuse, traffic_operands
+from spmd.search.fusion import fuse
 from spmd.sharding import (Spec, all_specs, bytes_per_device, format_spec, is_valid, replicated,
                            shard_shape)
 from spmd.trace.graph import Graph, Node, Value, array_bytes
@@ -254,26 +254,18 @@ class CostGraph:
         return None
 
     def _traffic(self, n: Node, s: _rules.Strategy) -> float:
-        """Bytes one device reads and writes in memory for an op under ``s``: the operands
-        its kernel reads from outside and the outputs it writes out (``spmd.search.fusion``),
-        at the op's local shapes."""
-        op, fusion = n.op, self.fusion
-        reads, writes = fusion.reads[n.id], fusion.writes[n.id]
+        """Bytes one device reads and writes in memory for an op under ``s``
+        (``Fusion.traffic``), at the op's local shapes."""
+        op = n.op
 
-        def local(shape, dtype, spec) -> float:
-            return 0.0 if dtype is None else float(
+        def local(shapes, dtypes, specs) -> list[float]:
+            return [0.0 if dtype is None else float(
                 bytes_per_device(shape, dtype, spec, self.mesh_shape))
+                for shape, dtype, spec in zip(shapes, dtypes, specs)]
 
-        total = sum(local(op.in_shapes[k], op.in_dtypes[k], s.in_specs[k])
-                    for k in traffic_operands(op.primitive, len(op.in_shapes)) if reads[k])
-        outs = [local(shape, dtype, spec)
-                for shape, dtype, spec in zip(op.out_shapes, op.out_dtypes, s.out_specs)]
-        if op.primitive in SLICING and reads[0]:
-            total += outs[0]  # the rows or window it returns, read from operand 0
-        if op.primitive in IN_PLACE:  # writes its update into operand 0's buffer
-            k = IN_PLACE[op.primitive]
-            outs[0] = local(op.in_shapes[k], op.in_dtypes[k], s.in_specs[k])
-        return total + sum(b for b, w in zip(outs, writes) if w)
+        return self.fusion.traffic(n.id, op.primitive,
+                                   local(op.in_shapes, op.in_dtypes, s.in_specs),
+                                   local(op.out_shapes, op.out_dtypes, s.out_specs))
 
     def tie_break(self, node: int, specs: Sequence[Spec]) -> np.ndarray:
         """An input's or constant's own cost per spec: a tie-break between equally fast

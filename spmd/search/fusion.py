@@ -77,6 +77,23 @@ class Fusion:
         """What of the fusion decides a node's traffic (part of its pricing memo's key)."""
         return self.reads[node], self.writes[node]
 
+    def traffic(self, node: int, primitive: str, operand_bytes: Sequence[float],
+                output_bytes: Sequence[float]) -> float:
+        """Bytes a node's kernel moves for it in device memory, given each operand's and
+        output's bytes on one device: the operands it reads from outside its kernel and the
+        outputs it writes out. ``SLICING`` ops read as much of operand 0 as they return;
+        ``IN_PLACE`` ops read and write only their update of it."""
+        reads, writes = self.reads[node], self.writes[node]
+        outs = list(output_bytes)
+        whole = range(1 if primitive in SLICING or primitive in IN_PLACE else 0,
+                      len(operand_bytes))
+        total = sum(operand_bytes[k] for k in whole if reads[k])
+        if primitive in SLICING and reads[0]:
+            total += outs[0]  # the rows or window it returns, read from operand 0
+        if primitive in IN_PLACE:  # its update, written into operand 0's buffer
+            outs[0] = operand_bytes[IN_PLACE[primitive]]
+        return total + sum(b for b, w in zip(outs, writes) if w)
+
 
 def fuse(graph: Graph) -> Fusion:
     """Group ``graph``'s ops into kernels (module docstring)."""
@@ -128,10 +145,3 @@ def fuse(graph: Graph) -> Fusion:
                          for k in range(len(n.op.out_shapes)))
                    for n in nodes)
     return Fusion(tuple(kernel), tuple(reads), writes, sum(launches_at.values()))
-
-
-def traffic_operands(primitive: str, n_operands: int) -> Sequence[int]:
-    """The operands an op reads whole (``SLICING`` ops read as much of operand 0 as they
-    return; ``IN_PLACE`` ops touch only their update of it)."""
-    skip = {0} if primitive in SLICING or primitive in IN_PLACE else set()
-    return [k for k in range(n_operands) if k not in skip]
