@@ -4,9 +4,13 @@ The bundled mesh files hold datasheet figures, and a predicted step time is only
 them. This module times, on every device of a mesh at once (as a training step uses them):
 
 * the device: matmul FLOP/s per dtype (bf16, and fp32 at JAX's default precision), the best
-  of a few square shapes; memory bandwidth (an elementwise op over a large buffer, bytes
-  read plus written); and the per-kernel overhead (what one more kernel adds to a
-  program: a chain of tiny dependent matmuls, each its own kernel, timed at two lengths);
+  of a few square shapes, and from the others the curve of rate by size (the smallest run
+  batched, as attention's per-head matmuls do, so that their kernel is long enough to
+  time); memory bandwidth (an elementwise op over a large buffer, bytes read plus
+  written); the bandwidth of a transpose (a square matrix copied transposed); a 3x3
+  convolution's FLOP/s beside the matmul's; and the
+  per-kernel overhead (what one more kernel adds to a program: a chain of tiny dependent
+  matmuls, each its own kernel, timed at two lengths);
 * per mesh axis of size > 1, each collective kind over a range of sizes, the other axes
   running their own groups meanwhile. Latency alpha and inverse bandwidth beta are fitted
   to ``t = alpha + beta * x``, where x is the bytes the cost model's ring formula charges
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 import os
 import re
 import statistics
@@ -46,11 +51,27 @@ DEFAULT_SIZES = tuple(4 * KIB * 8**i for i in range(5))
 QUICK_SIZES = (4 * KIB, 64 * KIB, 1 * MIB)
 #: the collectives an axis's link is fitted from (the others are reported beside it)
 LINK_KINDS = ("all-reduce", "all-gather")
-#: (matmul sides, elementwise buffer bytes per device) by platform, then in quick mode
-_DEVICE_SHAPES = {("cpu", False): ((32, 64, 128, 256, 512), 32 * MIB),
-                  ("cpu", True): ((32, 128), 4 * MIB),
-                  ("gpu", False): ((256, 1024, 2048, 4096, 8192), 1024 * MIB),
-                  ("gpu", True): ((256, 2048), 256 * MIB)}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shapes:
+    """What a platform's device is timed on."""
+
+    sides: tuple[int, ...]  # square matmuls
+    batched_below: int  # a side below this runs as (batched_below / side)^3 matmuls at once
+    buffer: int  # the elementwise op's buffer, bytes per device
+    transpose_side: int  # the square fp32 matrix transposed
+    conv_shape: tuple[int, int, int, int]  # NHWC of a 3x3 convolution keeping its channels
+
+
+#: by platform, then in quick mode
+_DEVICE_SHAPES = {
+    ("cpu", False): _Shapes((8, 16, 32, 64, 128, 256, 512), 64, 32 * MIB, 256, (8, 16, 16, 64)),
+    ("cpu", True): _Shapes((8, 32, 128), 64, 4 * MIB, 128, (4, 8, 8, 64)),
+    ("gpu", False): _Shapes((64, 128, 256, 1024, 2048, 4096, 8192), 256, 1024 * MIB, 4096,
+                            (32, 32, 32, 256)),
+    ("gpu", True): _Shapes((64, 256, 2048), 256, 256 * MIB, 2048, (8, 32, 32, 256)),
+}
 #: the k-iteration run: about this many seconds (by quick), and 4 to 63 iterations more than
 #: the 1-iteration run it is compared with (enough that their noise does not dominate)
 _LOOP_SECONDS = {False: 0.05, True: 0.01}
@@ -80,24 +101,40 @@ class DeviceFigures:
     """One device's measured rates (every device of the mesh busy at once)."""
 
     rates: dict[str, dict[int, float]]  # dtype name -> square matmul side -> FLOP/s
+    conv_rates: dict[str, float]  # dtype name -> FLOP/s of the 3x3 convolution
     memory_bandwidth: float  # bytes read + written per second
+    transpose_bandwidth: float  # bytes read + written per second by a transpose
     memory_bytes: int
     kernel_overhead: float  # seconds one more kernel adds to a program
     matmul_sides: tuple[int, ...]  # the square matmuls timed
     buffer_bytes: int  # the elementwise op's buffer per device
+    batched_below: int  # sides below this were timed batched (``_Shapes``)
+    transpose_side: int  # the square fp32 matrix transposed
+    conv_shape: tuple[int, int, int, int]  # the convolution's NHWC input
 
     @property
     def flops(self) -> dict[str, float]:
-        """dtype name -> the best matmul FLOP/s measured."""
-        return {dtype: max(rates.values()) for dtype, rates in self.rates.items()}
+        """dtype name -> the FLOP/s of the largest matmul timed. Not the best of all sides:
+        on a shared host each timing varies (a 512^3 fp32 matmul, timed 12 times within a
+        minute on 2 cores: 75-120 GFLOP/s), and the best of seven such timings is mostly the
+        luckiest, which would price every matmul as if undisturbed."""
+        largest = max(self.matmul_sides)
+        return {dtype: rates[largest] for dtype, rates in self.rates.items()}
 
     def curve(self) -> tuple[tuple[float, float], ...]:
         """``DeviceSpec.matmul_curve``: per side timed, its FLOPs and the fraction of the best
-        rate it ran at (the mean over dtypes)."""
+        rate it ran at (the mean over dtypes, at most 1)."""
         best = self.flops
         return tuple((2.0 * side**3, _round(float(np.mean(
-            [rates[side] / best[dtype] for dtype, rates in self.rates.items()]))))
+            [min(1.0, rates[side] / best[dtype]) for dtype, rates in self.rates.items()]))))
             for side in self.matmul_sides)
+
+    def conv_fraction(self) -> float:
+        """``DeviceSpec.conv_fraction``: the convolution's rate over the matmul's (the mean
+        over dtypes, at most 1)."""
+        best = self.flops
+        return float(np.mean([min(1.0, rate / best[dtype])
+                              for dtype, rate in self.conv_rates.items()]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +159,10 @@ class Profile:
             peak_flops_fp32=_round(figures.flops["float32"]),
             memory_bytes=figures.memory_bytes, memory_bandwidth=_round(figures.memory_bandwidth),
             kernel_overhead=_round(figures.kernel_overhead), matmul_curve=figures.curve(),
+            # a transpose faster than the copy is noise: at most the copy's rate
+            transpose_fraction=_round(min(
+                1.0, figures.transpose_bandwidth / figures.memory_bandwidth)),
+            conv_fraction=_round(figures.conv_fraction()),
             source=f"measured by spmd profile, {self.environment['date']}, jax "
                    f"{self.environment['jax']}")
         links = {axis: Link(_round(self.links[axis].bandwidth), _round(self.links[axis].latency))
@@ -148,13 +189,20 @@ class Profile:
             header.append(f"CPU: {who} this host's {os.cpu_count()} cores, so these figures "
                           f"describe this host, not a GPU.")
         header += [
-            f"matmul (best of sides {sides}): bf16 {_rate(figures.flops['bfloat16'])}FLOP/s, "
+            f"matmul (sides {sides}, the largest sets the rate): bf16 {_rate(figures.flops['bfloat16'])}FLOP/s, "
             f"fp32 {_rate(figures.flops['float32'])}FLOP/s at JAX's default precision; "
             f"per side (bf16/fp32): " + ", ".join(
                 f"{side} {_rate(figures.rates['bfloat16'][side])}/"
                 f"{_rate(figures.rates['float32'][side])}" for side in figures.matmul_sides),
+            f"matmuls of side below {figures.batched_below} run batched, "
+            f"({figures.batched_below} / side)^3 at once",
             f"memory bandwidth: an elementwise op over {_bytes(figures.buffer_bytes)} per "
             f"device, bytes read + written",
+            f"transpose: a {figures.transpose_side}x{figures.transpose_side} fp32 matrix, "
+            f"{_rate(figures.transpose_bandwidth)}B/s read + written",
+            f"convolution: 3x3, NHWC {'x'.join(map(str, figures.conv_shape))} keeping its "
+            f"channels: bf16 {_rate(figures.conv_rates['bfloat16'])}FLOP/s, fp32 "
+            f"{_rate(figures.conv_rates['float32'])}FLOP/s",
             f"kernel overhead: {figures.kernel_overhead * 1e6:.2f} us per kernel (a chain of "
             f"tiny matmuls, each its own kernel, timed at two lengths)",
             f"collectives: medians of {self.repeats} repeats, dispatch excluded; each "
@@ -172,7 +220,8 @@ class Profile:
         lines = [f"device {self.mesh().device.name}: matmul bf16 "
                  f"{_rate(figures.flops['bfloat16'])}FLOP/s, fp32 "
                  f"{_rate(figures.flops['float32'])}FLOP/s; memory "
-                 f"{_rate(figures.memory_bandwidth)}B/s; kernel overhead "
+                 f"{_rate(figures.memory_bandwidth)}B/s, transposed "
+                 f"{_rate(figures.transpose_bandwidth)}B/s; kernel overhead "
                  f"{figures.kernel_overhead * 1e6:.2f} us per kernel"]
         for axis, fit in self.links.items():
             lines.append(f"axis {axis} ({self.source.shape[axis]} devices): "
@@ -207,7 +256,7 @@ def profile_mesh(mesh: DeviceMesh, sizes: Sequence[int] | None = None, quick: bo
     jmesh = mesh.jax_mesh()
     first = jmesh.devices.flat[0]
     platform = "cpu" if first.platform == "cpu" else "gpu"
-    sides, buffer = _DEVICE_SHAPES[(platform, quick)]
+    shapes = _DEVICE_SHAPES[(platform, quick)]
     repeats = repeats or (3 if quick else 5)
     timer = _Timer(jmesh, repeats, _LOOP_SECONDS[quick])
     collectives, links = {}, {}
@@ -219,11 +268,18 @@ def profile_mesh(mesh: DeviceMesh, sizes: Sequence[int] | None = None, quick: bo
     return Profile(
         source=mesh,
         device=DeviceFigures(
-            rates={dtype: {n: timer.matmul(n, dtype, overhead) for n in sides}
+            rates={dtype: {n: timer.matmul(n, dtype, overhead,
+                                           max(1, shapes.batched_below // n) ** 3)
+                           for n in shapes.sides}
                    for dtype in ("bfloat16", "float32")},
-            memory_bandwidth=timer.bandwidth(buffer),
+            memory_bandwidth=timer.bandwidth(shapes.buffer),
+            transpose_bandwidth=timer.transpose(shapes.transpose_side),
+            conv_rates={dtype: timer.conv(shapes.conv_shape, dtype)
+                        for dtype in ("bfloat16", "float32")},
             memory_bytes=int(stats.get("bytes_limit", mesh.device.memory_bytes)),
-            kernel_overhead=overhead, matmul_sides=sides, buffer_bytes=buffer),
+            kernel_overhead=overhead, matmul_sides=shapes.sides, buffer_bytes=shapes.buffer,
+            batched_below=shapes.batched_below, transpose_side=shapes.transpose_side,
+            conv_shape=shapes.conv_shape),
         collectives=collectives, links=links, repeats=repeats,
         environment={"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                      "jax": jax.__version__, "jaxlib": jaxlib.__version__,
@@ -353,21 +409,41 @@ class _Timer:
                 break
         return seconds
 
-    def matmul(self, side: int, dtype: str, overhead: float) -> float:
-        """FLOP/s of a square matmul per device, beyond the kernel's ``overhead`` (priced
-        apart): chains of 1 and 3 dependent matmuls, the difference per matmul (a loop
-        iteration cancels out)."""
-        square = [((side, side), dtype)] * 2
+    def matmul(self, side: int, dtype: str, overhead: float, batch: int = 1) -> float:
+        """FLOP/s of a square matmul per device (``batch`` of them in one kernel), beyond
+        the kernel's ``overhead`` (priced apart): chains of 1 and 3 dependent matmuls, the
+        difference per matmul (a loop iteration cancels out)."""
+        square = [((batch, side, side) if batch > 1 else (side, side), dtype)] * 2
         three, one = self.loop(_chain(3), square), self.loop(_chain(1), square)
         # lost in noise: the chain of 3 alone, its loop iteration included
         seconds = (three - one) / 2 if three > one else three / 3
-        return _per_second(2.0 * side**3, max(seconds - overhead, 0.5 * seconds),
+        return _per_second(2.0 * batch * side**3, max(seconds - overhead, 0.5 * seconds),
                            f"{dtype} matmul")
 
     def bandwidth(self, nbytes: int) -> float:
         """Bytes read + written per second by an elementwise op per device."""
         seconds = self.loop(lambda y: y * 0.5 + 1.0, [((nbytes // 4,), "float32")])
         return _per_second(2.0 * nbytes, seconds, "memory bandwidth")
+
+    def transpose(self, side: int) -> float:
+        """Bytes read + written per second by a transpose of a square fp32 matrix per
+        device (scaled on the way, so that it is a kernel of its own)."""
+        seconds = self.loop(lambda y: y.T * 0.5, [((side, side), "float32")])
+        return _per_second(2.0 * 4 * side * side, seconds, "transpose bandwidth")
+
+    def conv(self, shape: tuple[int, int, int, int], dtype: str) -> float:
+        """FLOP/s of a 3x3 convolution per device (NHWC ``shape``, as many channels out as
+        in, padded to keep its size)."""
+        import jax
+
+        channels = shape[-1]
+
+        def body(y, kernel):
+            return jax.lax.conv_general_dilated(y, kernel, (1, 1), "SAME",
+                                                dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+        seconds = self.loop(body, [(shape, dtype), ((3, 3, channels, channels), dtype)])
+        return _per_second(2.0 * 9 * math.prod(shape) * channels, seconds, f"{dtype} convolution")
 
     def overhead(self) -> float:
         """Seconds one more kernel adds to a program on every device: chains of 1 and of

@@ -129,7 +129,12 @@ def test_two_dimensional_mesh_batch_on_data_weights_on_model():
                                         {"data": 10e9, "model": 300e9})
     w1, w2, x, _ = res.input_specs
     assert "data" in x[0]
-    assert w1 == ((), ("model",)) and w2 == (("model",), ())
+    # Each weight split over model once, never over data. Which dimension of w2 is a near
+    # tie here: on XLA:CPU (this virtual mesh's platform) the weight gradients' dots copy an
+    # activation transposed first, and w2 split by columns rather than by rows (Megatron)
+    # changes what is copied and what is gathered by 0.1% of the step.
+    assert w1 == ((), ("model",))
+    assert sorted(w2, key=len) == [(), ("model",)]
     outs, measured = _run(_sgd_step, args, res, mesh)
     _check_bytes(res, measured)
     _check_numerics(_sgd_step, args, outs)

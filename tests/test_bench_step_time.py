@@ -29,6 +29,7 @@ def test_spearman():
 def _run(model: str, method: str, measured_ms: float, predicted_ms: float) -> dict:
     return {"model": model, "method": method, "predicted_s": predicted_ms / 1e3,
             "measured_s": measured_ms / 1e3, "executable_s": measured_ms / 2e3,
+            "executable_times_s": [measured_ms / 1e3, measured_ms / 2e3, measured_ms / 3e3],
             "spread": 0.1, "kept_hand_written": None, "error": None}
 
 
@@ -63,6 +64,7 @@ def test_report_from_saved_json(tmp_path):
     assert "M/P within 0.7-1.4 for 1 of 2 models (from 1.11 to 3.00)" in text
     assert "(E/P) within 0.7-1.4 for 0 of 2 models (from 0.56 to 1.50)" in text
     assert "Spearman >= 0.8 for 1 of 2 models (a)" in text
+    assert "0.00 against the executable's, 0.00 against its fastest step." in text
     assert "predicted fastest (or tied for it) for 1 of 2 models" in text
     assert "auto's place by measured step time: a 1/3, b 3/3" in text
     assert "Plans that failed to plan, compile or run: b / fsdp." in text

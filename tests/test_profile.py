@@ -41,8 +41,11 @@ def test_the_written_file_loads_as_the_measured_mesh(measured, tmp_path):
                                              device.memory_bandwidth, device.memory_bytes))
     assert device.memory_bytes == spmd.load_mesh("cpu-8").device.memory_bytes  # CPU: no stats
     assert device.kernel_overhead >= 0 and "measured by spmd profile" in device.source
-    assert [w for w, _ in device.matmul_curve] == [2.0 * side**3 for side in (32, 128)]
+    # quick sides 8 and 32 run batched (64 / side)^3 at once, each still one matmul's FLOPs
+    assert [w for w, _ in device.matmul_curve] == [2.0 * side**3 for side in (8, 32, 128)]
     assert all(0 < f <= 1 for _, f in device.matmul_curve)
+    assert dict(device.matmul_curve)[2.0 * 128**3] == 1.0  # the largest sets the rate
+    assert 0 < device.transpose_fraction <= 1 and 0 < device.conv_fraction <= 1
     assert (device.matmul_fraction, device.bandwidth_fraction) == (1.0, 1.0)  # all measured
     link = loaded.links["model"]
     assert _positive_finite(link.bandwidth) and link.latency >= 0
@@ -66,7 +69,8 @@ def test_the_file_says_how_and_where_it_was_measured(measured):
     text = measured.yaml()
     for expected in (f"jax {jax.__version__}", "platform cpu", "device kind cpu",
                      "simulated devices share this host's", "not a GPU",
-                     "kernel overhead:", "# model: 2 devices; link = joint fit of all-reduce "
+                     "kernel overhead:", "transpose: a 128x128 fp32 matrix",
+                     "convolution: 3x3, NHWC 4x8x8x64", "side below 64 run batched", "# model: 2 devices; link = joint fit of all-reduce "
                      "and all-gather", "#   reduce-scatter", "nothing crosses it"):
         assert expected in text, expected
     assert "axis model (2 devices)" in measured.summary()

@@ -114,8 +114,11 @@ def test_a_prediction_shows_flops_memory_and_kernel_launches_apart():
 def test_a_small_matmul_runs_at_its_profiled_fraction_and_the_curve_reads_back(tmp_path):
     device = spmd.cluster.hardware.device_spec(
         {"peak_flops_bf16": 1e12, "peak_flops_fp32": 5e11, "memory_bytes": 2**30,
-         "memory_bandwidth": 1e11, "matmul_curve": [[1e3, 0.1], [1e6, 0.5], [1e9, 1.0]]})
+         "memory_bandwidth": 1e11, "matmul_curve": [[1e3, 0.1], [1e6, 0.5], [1e9, 1.0]],
+         "transpose_fraction": 0.25, "conv_fraction": 0.5})
     assert device.flops("float32") == 5e11  # no size: the large matmul's rate
+    assert device.flops("float32", conv=True) == 2.5e11
+    assert device.transpose_bandwidth == 2.5e10
     assert device.flops("float32", 1e3) == pytest.approx(5e10)
     assert device.flops("float32", 1e12) == pytest.approx(5e11)  # held at the ends
     assert device.flops("bfloat16", np.sqrt(1e3 * 1e6)) == pytest.approx(1e12 * 0.3)  # log-linear
@@ -149,6 +152,42 @@ def test_a_batched_matmul_is_priced_at_the_rate_of_one_of_its_matmuls():
     per_flop = [cg.compute[n.id][0] / cg.strats[n.id][0].flops
                 for cg, n in ((batched, dot_b), (single, dot_s))]
     assert per_flop[0] > 3 * per_flop[1]
+
+
+def _slow_transposes(platform: str):
+    """One device whose transposes run at a tenth of its copies (XLA:CPU's, roughly)."""
+    device = spmd.cluster.hardware.device_spec(
+        {"peak_flops_bf16": 1e11, "peak_flops_fp32": 1e11, "memory_bytes": 2**30,
+         "memory_bandwidth": 1e10, "transpose_fraction": 0.1, "kernel_overhead": 1e-6})
+    return make_mesh({"data": 1}, device=device, platform=platform, virtual=platform == "gpu")
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_a_weight_gradient_dot_pays_for_transposing_its_operand_on_cpu_only(platform):
+    """x^T @ dy contracts x's first dimension: XLA:CPU copies x transposed first (a kernel
+    moving its bytes at the transpose bandwidth); cuBLAS takes it as it is."""
+    x, dy = jnp.ones((256, 128)), jnp.ones((256, 64))
+    mesh = _slow_transposes(platform)
+    cg = CostGraph(_graph(lambda x, dy: jnp.einsum("tx,ty->xy", x, dy), x, dy),
+                   [InputInfo(f"a{i}", a.shape, jnp.float32, "batch") for i, a in
+                    enumerate((x, dy))], mesh)
+    dot, = _ops(cg.graph, "dot_general")
+    strategy = cg.strats[dot.id][0]
+    roofline = max(strategy.flops / 1e11, cg._traffic(dot, strategy) / 1e10)
+    relayout = 2 * x.size * 4 / 1e9 if platform == "cpu" else 0.0
+    kernels = 2 if platform == "cpu" else 1
+    assert cg.launch[dot.id] == pytest.approx(kernels * 1e-6)
+    assert cg.compute[dot.id][0] == pytest.approx(roofline + relayout + kernels * 1e-6)
+    assert cg.memory_bound[dot.id][0] == pytest.approx(cg.compute[dot.id][0] - cg.launch[dot.id]
+                                                       - strategy.flops / 1e11)
+
+
+def test_a_transpose_moves_its_bytes_at_the_transpose_bandwidth():
+    x = jnp.ones((256, 128))
+    cg = CostGraph(_graph(lambda x: x.T, x), [InputInfo("x", x.shape, jnp.float32, "batch")],
+                   _slow_transposes("cpu"))
+    transpose, = _ops(cg.graph, "transpose")
+    assert cg.compute[transpose.id][0] == pytest.approx(2 * x.size * 4 / 1e9 + 1e-6)
 
 
 # -- realistic widths: abstract shapes on a virtual 4 x A100 mesh --------------------------

@@ -53,16 +53,26 @@ class DeviceSpec:
     #: (FLOPs of one matmul, the fraction of ``flops`` it achieves) by size, as profiled:
     #: small matmuls run far below a large one's rate. Empty: every size at ``flops``.
     matmul_curve: tuple[tuple[float, float], ...] = ()
+    #: achieved bandwidth of a transpose (a copy into another dimension order) / of a plain
+    #: copy: XLA:CPU's transposes run far below its copies (profiled: 5-30x on a 2-core
+    #: host); XLA:GPU tiles them through shared memory, near its copy rate (1.0, not measured
+    #: here: ``spmd profile`` on a GPU measures it)
+    transpose_fraction: float = 1.0
+    #: achieved FLOP/s of a convolution / of a matmul as large: convolutions run through
+    #: other kernels (cuDNN, oneDNN/Eigen on CPU); 1.0 unless profiled
+    conv_fraction: float = 1.0
 
     def peak_flops(self, dtype_name: str) -> float:
         """Peak FLOP/s for a compute dtype: 16-bit types run on tensor cores, the rest at fp32 rate."""
         return self.peak_flops_bf16 if dtype_name in ("bfloat16", "float16") else self.peak_flops_fp32
 
-    def flops(self, dtype_name: str, matmul: float | None = None) -> float:
+    def flops(self, dtype_name: str, matmul: float | None = None, conv: bool = False) -> float:
         """Achievable FLOP/s for a compute dtype (what the cost model prices); ``matmul``,
         the FLOPs of one matmul (per batch element), scales it by ``matmul_curve``,
-        interpolated in log FLOPs and held at its ends."""
-        rate = self.peak_flops(dtype_name) * self.matmul_fraction
+        interpolated in log FLOPs and held at its ends; ``conv``: of a convolution
+        (``conv_fraction`` of that)."""
+        rate = self.peak_flops(dtype_name) * self.matmul_fraction * (
+            self.conv_fraction if conv else 1.0)
         if matmul is None or not self.matmul_curve:
             return rate
         work, fraction = zip(*self.matmul_curve)
@@ -72,6 +82,11 @@ class DeviceSpec:
     def bandwidth(self) -> float:
         """Achievable memory bandwidth, bytes read + written per second."""
         return self.memory_bandwidth * self.bandwidth_fraction
+
+    @property
+    def transpose_bandwidth(self) -> float:
+        """Achievable bandwidth of a transpose, bytes read + written per second."""
+        return self.bandwidth * self.transpose_fraction
 
 
 def _gpu(name: str, bf16: float, fp32: float, memory: int, bandwidth: float,
@@ -151,6 +166,8 @@ def device_spec(value: str | Mapping[str, Any] | DeviceSpec, where: str = "devic
                 kernel_overhead=float(fields.get("kernel_overhead", 0.0)),
                 source=str(fields.get("source", "")),
                 matmul_curve=_curve(fields.get("matmul_curve", ()), where),
+                transpose_fraction=float(fields.get("transpose_fraction", 1.0)),
+                conv_fraction=float(fields.get("conv_fraction", 1.0)),
             )
         except (TypeError, ValueError) as err:
             raise MeshError(f"{where}: device fields must be numbers: {err}") from None

@@ -109,11 +109,15 @@ class CostModel:
         return sum(self.time(c) for c in colls), colls
 
     # -- compute ----------------------------------------------------------------------------
-    def compute(self, flops: float, dtype, matmul: float | None = None) -> float:
+    def compute(self, flops: float, dtype, matmul: float | None = None,
+                conv: bool = False) -> float:
         """Seconds for ``flops`` at the device's achievable rate for ``dtype``, that of a
-        matmul of ``matmul`` FLOPs (per batch element) when given (``DeviceSpec.flops``)."""
-        return float(flops) / self.mesh.device.flops(np.dtype(dtype).name, matmul)
+        matmul of ``matmul`` FLOPs (per batch element) when given, of a convolution with
+        ``conv`` (``DeviceSpec.flops``)."""
+        return float(flops) / self.mesh.device.flops(np.dtype(dtype).name, matmul, conv)
 
-    def memory_time(self, nbytes: float) -> float:
-        """Seconds to read or write ``nbytes`` of device memory (the roofline's memory term)."""
-        return float(nbytes) / self.mesh.device.bandwidth
+    def memory_time(self, nbytes: float, transpose: bool = False) -> float:
+        """Seconds to read or write ``nbytes`` of device memory (the roofline's memory term);
+        ``transpose``: by a kernel that reorders dimensions (``DeviceSpec.transpose_bandwidth``)."""
+        device = self.mesh.device
+        return float(nbytes) / (device.transpose_bandwidth if transpose else device.bandwidth)

@@ -6,7 +6,9 @@ constants: replicated) and, per strategy, compute seconds and the communication 
 itself does. Compute is a roofline per op: its FLOPs at the device's achievable rate (that of
 one of its matmuls' size, ``DeviceSpec.flops``) or the bytes its kernel reads and writes in
 device memory at the achievable bandwidth (``spmd.search.fusion`` says which ops share a
-kernel), whichever is longer, plus the per-kernel overhead once per kernel. For every value
+kernel), whichever is longer, plus the per-kernel overhead once per kernel. Transposes move
+their bytes at the device's transpose bandwidth, and a matmul whose operand XLA reorders
+first (``spmd.search.layout``) pays that copy and its kernel too. For every value
 it prices a reshard once per (value, target spec, loop level), as XLA's partitioner does it
 (``reshard_time``). ``spmd.search.encode`` lays these numbers out as the solver's request
 under one set of pins, ``spmd.search.predict`` evaluates the same numbers for the chosen
@@ -60,6 +62,7 @@ from spmd.cost.time import CostModel
 from spmd.errors import PlanError
 from spmd.memory.liveness import Liveness
 from spmd.search.fusion import fuse
+from spmd.search.layout import transposed_operands
 from spmd.sharding import (Spec, all_specs, bytes_per_device, format_spec, is_valid, replicated,
                            shard_shape)
 from spmd.trace.graph import Graph, Node, Value, array_bytes
@@ -177,7 +180,8 @@ class CostGraph:
         #: (the part of ``compute`` that is memory-bound), x ``Node.repeat``
         self.memory_bound: list[np.ndarray] = []
         #: per node: the per-kernel overhead it adds to every strategy's ``compute`` (the
-        #: first node of each kernel carries its kernel's), x ``Node.repeat``
+        #: first node of each kernel carries its kernel's, a matmul those of the transposes
+        #: of its operands), x ``Node.repeat``
         self.launch: list[float] = []
         overhead = mesh.device.kernel_overhead
         memo: dict[tuple, tuple[list[_rules.Strategy], np.ndarray, np.ndarray, np.ndarray]] = {}
@@ -191,7 +195,8 @@ class CostGraph:
                 compute, comm, excess = self._price(n, ss, off)
                 if key is not None:
                     memo[key] = (ss, compute, comm, excess)
-            launch = overhead * n.repeat if self.fusion.kernel[n.id] == n.id else 0.0
+            kernels = (self.fusion.kernel[n.id] == n.id) + len(self._relayouts(n))
+            launch = overhead * n.repeat * kernels
             self.strats.append(ss)
             self.compute.append(compute * n.repeat + launch)
             self.comm.append(comm * n.repeat if n.repeat != 1 else comm)
@@ -231,10 +236,15 @@ class CostGraph:
         if n.kind != "op":
             return np.zeros(len(ss)), np.zeros(len(ss)), np.zeros(len(ss))
         dtype = op_dtype(n)
-        flop_time = np.array([self.cost.compute(s.flops, dtype, self._matmul_size(n, s))
+        conv = n.op.primitive == "conv_general_dilated"
+        flop_time = np.array([self.cost.compute(s.flops, dtype, self._matmul_size(n, s), conv)
                               if s.flops else 0.0 for s in ss])
-        traffic = np.array([self.cost.memory_time(self._traffic(n, s)) for s in ss])
-        compute = np.maximum(flop_time, traffic)
+        transpose = n.op.primitive == "transpose"
+        traffic = np.array([self.cost.memory_time(self._traffic(n, s), transpose)
+                            for s in ss])
+        relayout = np.array([self.cost.memory_time(self._relayout_bytes(n, s), True)
+                             for s in ss])
+        compute = np.maximum(flop_time, traffic) + relayout
         # Off the critical path XLA combines a kind's collectives into one: each pays its
         # bandwidth here, their shared latency once per plan (``charges``).
         comm = np.array([sum(self.cost.split(c)[0]
@@ -252,6 +262,20 @@ class CostGraph:
         if n.op.primitive == "conv_general_dilated":
             return s.flops
         return None
+
+    def _relayouts(self, n: Node) -> tuple[int, ...]:
+        """The operands of a matmul that XLA copies into another dimension order first on
+        this mesh's platform (``spmd.search.layout``); () for other ops."""
+        if n.kind != "op" or n.op.primitive != "dot_general":
+            return ()
+        return transposed_operands(*n.op.in_shapes[:2], n.op.params["dimension_numbers"],
+                                   self.mesh.platform)
+
+    def _relayout_bytes(self, n: Node, s: _rules.Strategy) -> float:
+        """Bytes one device's transposes read and write for a matmul's reordered operands
+        under ``s`` (each read and written once)."""
+        return sum(2.0 * bytes_per_device(n.op.in_shapes[k], n.op.in_dtypes[k], s.in_specs[k],
+                                          self.mesh_shape) for k in self._relayouts(n))
 
     def _traffic(self, n: Node, s: _rules.Strategy) -> float:
         """Bytes one device reads and writes in memory for an op under ``s``

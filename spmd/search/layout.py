@@ -1,0 +1,61 @@
+"""Which operands of a matmul XLA copies into another dimension order first, by platform.
+
+A ``dot_general`` names its batch, contracting and free dimensions in any positions; the
+matmul libraries XLA calls take only a few orders, and layout assignment inserts a transpose
+(a kernel of its own, or fused into the operand's producer) for an operand in any other:
+
+* **XLA:GPU** (cuBLAS/cuBLASLt): batch dimensions leading, in the order they pair with the
+  other operand's; after them the contracting and the free dimensions each contiguous, in
+  either order (the library transposes a matrix for free).
+* **XLA:CPU** (YNNPACK, Eigen): the same, except that the left operand must be
+  ``[batch, free, contracting]``: one with its contracting dimensions first (a weight
+  gradient, ``x^T @ dy``) is transposed. Seen in XLA:CPU's compiled HLO and its profile
+  (jax 0.10.2): such operands get a ``copy``/``transpose`` fusion before the ``ynn_fusion``
+  or ``dot``, as do attention's dots whose batch dimensions are not leading.
+
+Dimensions of size 1 are placed anywhere (the copy would be a bitcast). The rule knows
+nothing of layouts chosen elsewhere (an operand XLA already keeps transposed), so it can
+count a copy XLA avoided, or miss one it makes for a reason of its own (e.g. a donated
+parameter still read after its update).
+
+>>> transposed_operands((4, 8), (8, 16), (((1,), (0,)), ((), ())), "cpu")  # x @ w
+()
+>>> transposed_operands((8, 4), (8, 16), (((0,), (0,)), ((), ())), "cpu")  # x^T @ dy
+(0,)
+>>> transposed_operands((8, 4), (8, 16), (((0,), (0,)), ((), ())), "gpu")
+()
+>>> # attention's scores, q[b, t, h, k] . k[b, h, s, k]: q's batch dims (b, h) are not leading
+>>> transposed_operands((2, 5, 3, 7), (2, 3, 5, 7), (((3,), (3,)), ((0, 2), (0, 1))), "gpu")
+(0,)
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+__all__ = ["transposed_operands"]
+
+
+def transposed_operands(lhs: Sequence[int], rhs: Sequence[int], dimension_numbers,
+                        platform: str) -> tuple[int, ...]:
+    """Indices (0: lhs, 1: rhs) of a dot's operands, of these shapes, that XLA transposes
+    before the matmul on ``platform`` ("cpu" or "gpu")."""
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+    return tuple(k for k, (shape, contract, batch) in enumerate(
+        ((lhs, lhs_contract, lhs_batch), (rhs, rhs_contract, rhs_batch)))
+        if not _in_order(shape, contract, batch, free_first_only=platform == "cpu" and k == 0))
+
+
+def _in_order(shape: Sequence[int], contract: Sequence[int], batch: Sequence[int],
+              free_first_only: bool) -> bool:
+    """Whether an operand's dimensions (those of size 1 left out) run batch, then
+    contracting and free dimensions each contiguous: free first, or either way round."""
+    def kept(dims: Sequence[int]) -> list[int]:
+        return [d for d in dims if shape[d] != 1]
+
+    free = [d for d in range(len(shape)) if d not in contract and d not in batch]
+    actual = kept(range(len(shape)))
+    orders = [kept(batch) + kept(free) + kept(contract)]
+    if not free_first_only:
+        orders.append(kept(batch) + kept(contract) + kept(free))
+    return actual in orders
