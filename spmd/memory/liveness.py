@@ -6,7 +6,8 @@ step inputs live throughout unless an output aliases them (donated: they die at 
 use, while their new value lives to the end); constants live throughout. This module knows
 nothing about strategies: callers hand it the bytes each value takes per device (under one
 plan, or under each strategy of its group), so rematerialization and offload, which change
-what is live when, change this module only.
+what is live when, change this module only. What a plan adds beside the values (resharded
+copies, collectives' buffers) it hands over as ``Buffer``s.
 
 >>> import jax, jax.numpy as jnp
 >>> from spmd.trace.graph import build_graph
@@ -21,16 +22,29 @@ what is live when, change this module only.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Sequence
 
 import numpy as np
 
 from spmd.trace.graph import Graph, Value
 
-__all__ = ["LIVENESS_POINTS", "Liveness"]
+__all__ = ["LIVENESS_POINTS", "Buffer", "Liveness"]
 
 #: program points with the most live bytes (replicated measure) at which a memory budget binds
 LIVENESS_POINTS = 50
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+    """Memory a plan adds that is no value of the graph, live from program point ``start``
+    to ``end`` (both included): e.g. a value's copy in another spec, made for the ops that
+    read it so (an all-gathered weight, live from its first such reader to its last), or an
+    op's partial result before its reduce-scatter."""
+
+    start: int
+    end: int
+    nbytes: float
 
 
 class Liveness:
@@ -66,16 +80,21 @@ class Liveness:
         self.full_bytes = np.array([graph.value_bytes(v) for v, _, _ in out], dtype=float)
         self.points = end_all + 1
 
-    def totals(self, nbytes: np.ndarray) -> np.ndarray:
-        """Live bytes at every program point, each value taking ``nbytes`` (per interval)."""
+    def totals(self, nbytes: np.ndarray, extra: Sequence[Buffer] = ()) -> np.ndarray:
+        """Live bytes at every program point, each value taking ``nbytes`` (per interval),
+        plus ``extra`` buffers that are not values of the graph (``Buffer``)."""
         diff = np.zeros(self.points + 1)
         np.add.at(diff, self.starts, nbytes)
         np.add.at(diff, self.ends + 1, -nbytes)
+        for buffer in extra:
+            diff[buffer.start] += buffer.nbytes
+            diff[buffer.end + 1] -= buffer.nbytes
         return np.cumsum(diff)[: self.points]
 
-    def peak(self, nbytes: np.ndarray) -> float:
-        """The most bytes live at once, each value taking ``nbytes`` (per interval)."""
-        return float(self.totals(nbytes).max()) if len(nbytes) else 0.0
+    def peak(self, nbytes: np.ndarray, extra: Sequence[Buffer] = ()) -> float:
+        """The most bytes live at once, each value taking ``nbytes`` (per interval), with
+        ``extra`` buffers."""
+        return float(self.totals(nbytes, extra).max()) if len(nbytes) or extra else 0.0
 
     def busiest_points(self, count: int = LIVENESS_POINTS) -> list[int]:
         """The ``count`` program points with the most live bytes unsharded, in program order:

@@ -16,8 +16,11 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from spmd.cost.partitioner import COLLECTIVE_KINDS
+from spmd.memory.liveness import Buffer
 from spmd.search.costgraph import CostGraph
 from spmd.search.encode import Encoding
+from spmd.sharding import Spec
+from spmd.trace.graph import Value
 
 __all__ = ["Prediction", "predict"]
 
@@ -122,13 +125,18 @@ def predict(enc: Encoding, node_choice: Sequence[int]) -> Prediction:
                 row[0] += 1
             row[1] += c.bytes * n.repeat
     comm += sum(lat for lat, members in cg.charges if any(m in picked for m in members))
-    # Reshards: once per (value, target spec, loop level), as XLA reshards a value.
+    # Reshards: once per (value, target spec, loop level), as XLA reshards a value; each
+    # target spec's copy is a buffer from its first reader to its last.
+    copies: dict[tuple[Value, Spec], list[int]] = {}
     for v, reads in cg.reads.items():
         src = strategy[v.node].out_specs[v.index]
         paid = set()
         for read in reads:
             dst = strategy[read.node].in_specs[read.operand]
-            if dst == src or (dst, read.repeat) in paid:
+            if dst == src:
+                continue
+            copies.setdefault((v, dst), []).append(read.node)
+            if (dst, read.repeat) in paid:
                 continue
             paid.add((dst, read.repeat))
             t, colls = cg.reshard(v, src, dst)
@@ -140,7 +148,35 @@ def predict(enc: Encoding, node_choice: Sequence[int]) -> Prediction:
     live = cg.liveness
     nbytes = np.array([float(cg.bytes_row(v, (strategy[v.node].out_specs[v.index],))[0])
                        for v, _, _ in live.intervals])
-    return Prediction(compute - memory - launch, comm, live.peak(nbytes),
+    extra = [Buffer(min(at), max(at), float(cg.bytes_row(v, (dst,))[0]))
+             for (v, dst), at in copies.items()]
+    extra += _partial_results(cg, strategy)
+    return Prediction(compute - memory - launch, comm, live.peak(nbytes, extra),
                       {k: (c, b) for k, (c, b) in counts.items()},
                       objective=compute + comm + tie_break, memory_time=memory,
                       launch_time=launch)
+
+
+def _partial_results(cg: CostGraph, strategy: Sequence) -> list[Buffer]:
+    """The buffers of ops' partial sums larger than their result (a reduce-scatter's input;
+    on XLA:CPU, the whole all-reduced array before its slice), each live from its op to its
+    collective: the op itself, or for a collective XLA combines with others of its kind
+    (off the critical path: the weight gradients) the last op of that group, where the one
+    combined collective runs."""
+    partitioner = cg.cost.partitioner
+    ops = [(n, s) for n, s in zip(cg.graph.nodes, strategy) if n.kind == "op"]
+    combined_at: dict = {}
+    for n, s in ops:
+        if n.id in cg.off_path:
+            for c in s.collectives:
+                key = partitioner.combine_key(c)
+                if key is not None:
+                    combined_at[key] = max(combined_at.get(key, n.id), n.id)
+    out = []
+    for n, s in ops:
+        result = float(cg.bytes_row(Value(n.id, 0), (s.out_specs[0],))[0]) if s.out_specs else 0.0
+        for c in s.collectives:
+            if c.kind in ("all-reduce", "reduce-scatter") and c.bytes > result:
+                key = partitioner.combine_key(c) if n.id in cg.off_path else None
+                out.append(Buffer(n.id, combined_at.get(key, n.id), c.bytes))
+    return out
