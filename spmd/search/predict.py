@@ -158,11 +158,13 @@ def predict(enc: Encoding, node_choice: Sequence[int]) -> Prediction:
 
 
 def _partial_results(cg: CostGraph, strategy: Sequence) -> list[Buffer]:
-    """The buffers of ops' partial sums larger than their result (a reduce-scatter's input;
-    on XLA:CPU, the whole all-reduced array before its slice), each live from its op to its
-    collective: the op itself, or for a collective XLA combines with others of its kind
-    (off the critical path: the weight gradients) the last op of that group, where the one
-    combined collective runs."""
+    """The buffers of ops' partial sums that are not their result: a collective XLA
+    combines with others of its kind (off the critical path: the weight gradients) reads its
+    input when the last op of its group has run, so each input lives from its op to there,
+    beside the group's results (XLA:CPU's combined all-reduce of dp's gradients: twice their
+    bytes in its temporaries); any other partial sum larger than its result (a
+    reduce-scatter's input; on XLA:CPU, the whole all-reduced array before its slice) lives
+    at its op."""
     partitioner = cg.cost.partitioner
     ops = [(n, s) for n, s in zip(cg.graph.nodes, strategy) if n.kind == "op"]
     combined_at: dict = {}
@@ -176,7 +178,11 @@ def _partial_results(cg: CostGraph, strategy: Sequence) -> list[Buffer]:
     for n, s in ops:
         result = float(cg.bytes_row(Value(n.id, 0), (s.out_specs[0],))[0]) if s.out_specs else 0.0
         for c in s.collectives:
-            if c.kind in ("all-reduce", "reduce-scatter") and c.bytes > result:
-                key = partitioner.combine_key(c) if n.id in cg.off_path else None
-                out.append(Buffer(n.id, combined_at.get(key, n.id), c.bytes))
+            if c.kind not in ("all-reduce", "reduce-scatter"):
+                continue
+            key = partitioner.combine_key(c) if n.id in cg.off_path else None
+            if key is not None:  # waits for its group, beside the group's results
+                out.append(Buffer(n.id, combined_at[key], c.bytes))
+            elif c.bytes > result:
+                out.append(Buffer(n.id, n.id, c.bytes))
     return out
