@@ -56,8 +56,10 @@ class Liveness:
       full_bytes: each value's unsharded bytes, in the order of ``intervals``.
     """
 
-    def __init__(self, graph: Graph, donated: set[int]):
-        """``donated``: input indices whose buffer an output reuses (aliased outputs)."""
+    def __init__(self, graph: Graph, donated: set[int], fused: frozenset[Value] = frozenset()):
+        """``donated``: input indices whose buffer an output reuses (aliased outputs);
+        ``fused``: values that never reach memory, made and read inside one kernel (an
+        elementwise chain XLA fuses: Adam's bias-corrected moments inside the update)."""
         self.graph = graph
         end_all = len(graph.nodes)
         last = graph.last_use()
@@ -78,6 +80,10 @@ class Liveness:
         self.starts = np.array([a for _, a, _ in out], dtype=np.int64)
         self.ends = np.array([b for _, _, b in out], dtype=np.int64)
         self.full_bytes = np.array([graph.value_bytes(v) for v, _, _ in out], dtype=float)
+        #: per interval: whether its value is ``fused`` (in memory only if a plan makes it so)
+        self.fused = np.array([v in fused for v, _, _ in out], dtype=bool)
+        #: ``full_bytes``, fused values at 0: what the search weighs where memory binds
+        self.resident_bytes = np.where(self.fused, 0.0, self.full_bytes)
         self.points = end_all + 1
 
     def totals(self, nbytes: np.ndarray, extra: Sequence[Buffer] = ()) -> np.ndarray:
@@ -99,7 +105,7 @@ class Liveness:
     def busiest_points(self, count: int = LIVENESS_POINTS) -> list[int]:
         """The ``count`` program points with the most live bytes unsharded, in program order:
         where a memory budget can bind (a plan shards values alike, roughly)."""
-        totals = self.totals(self.full_bytes)
+        totals = self.totals(self.resident_bytes)
         return sorted(np.argsort(-totals, kind="stable")[:count].tolist())
 
     def live_at(self, point: int) -> np.ndarray:
@@ -115,8 +121,8 @@ class Liveness:
             by_owner[o].append(i)
         out = {}
         for o, members in by_owner.items():
-            events = sorted([(int(self.starts[i]), self.full_bytes[i]) for i in members] +
-                            [(int(self.ends[i]) + 1, -self.full_bytes[i]) for i in members])
+            events = sorted([(int(self.starts[i]), self.resident_bytes[i]) for i in members] +
+                            [(int(self.ends[i]) + 1, -self.resident_bytes[i]) for i in members])
             best_t, best, cur = 0, -1.0, 0.0
             for t, d in events:
                 cur += d

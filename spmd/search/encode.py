@@ -206,6 +206,8 @@ def _memory_row(cg: CostGraph, enc: Encoding, root: int, values: np.ndarray | No
     if values is None:
         return row
     for idx in values.tolist():
+        if cg.liveness.fused[idx]:  # never in memory unless resharded: not known here
+            continue
         v = cg.liveness.intervals[idx][0]
         row += cg.bytes_row(v, enc.spec_list(v.node, v.index, True))
     return row

@@ -146,8 +146,12 @@ def predict(enc: Encoding, node_choice: Sequence[int]) -> Prediction:
                 row[0] += read.repeat
                 row[1] += c.bytes * read.repeat
     live = cg.liveness
-    nbytes = np.array([float(cg.bytes_row(v, (strategy[v.node].out_specs[v.index],))[0])
-                       for v, _, _ in live.intervals])
+    # A value fused into its readers' kernel is never in memory, unless the plan reshards it
+    # (a collective reads it from memory).
+    resharded = {v for v, _ in copies}
+    nbytes = np.array([0.0 if fused and v not in resharded else
+                       float(cg.bytes_row(v, (strategy[v.node].out_specs[v.index],))[0])
+                       for (v, _, _), fused in zip(live.intervals, live.fused)])
     extra = [Buffer(min(at), max(at), float(cg.bytes_row(v, (dst,))[0]))
              for (v, dst), at in copies.items()]
     extra += _partial_results(cg, strategy)
