@@ -3,14 +3,14 @@
 The bundled mesh files hold datasheet figures, and a predicted step time is only as good as
 them. This module times, on every device of a mesh at once (as a training step uses them):
 
-* the device: matmul FLOP/s per dtype (bf16, and fp32 at JAX's default precision), the best
-  of a few square shapes, and from the others the curve of rate by size (the smallest run
-  batched, as attention's per-head matmuls do, so that their kernel is long enough to
-  time); memory bandwidth (an elementwise op over a large buffer, bytes read plus
+* the device: matmul FLOP/s per dtype (bf16, and fp32 at JAX's default precision), that of
+  the largest of a few square shapes, and from the others the curve of rate by size (the
+  smallest run batched, as attention's per-head matmuls do, so that their kernel is long
+  enough to time); memory bandwidth (an elementwise op over a large buffer, bytes read plus
   written); the bandwidth of a transpose (a square matrix copied transposed); a 3x3
-  convolution's FLOP/s beside the matmul's; and the
-  per-kernel overhead (what one more kernel adds to a program: a chain of tiny dependent
-  matmuls, each its own kernel, timed at two lengths);
+  convolution's FLOP/s beside the matmul's; and the per-kernel overhead (what one more
+  kernel adds to a program: a chain of tiny dependent matmuls, each its own kernel, timed
+  at two lengths);
 * per mesh axis of size > 1, each collective kind over a range of sizes, the other axes
   running their own groups meanwhile. Latency alpha and inverse bandwidth beta are fitted
   to ``t = alpha + beta * x``, where x is the bytes the cost model's ring formula charges
@@ -122,8 +122,8 @@ class DeviceFigures:
         return {dtype: rates[largest] for dtype, rates in self.rates.items()}
 
     def curve(self) -> tuple[tuple[float, float], ...]:
-        """``DeviceSpec.matmul_curve``: per side timed, its FLOPs and the fraction of the best
-        rate it ran at (the mean over dtypes, at most 1)."""
+        """``DeviceSpec.matmul_curve``: per side timed, its FLOPs and the fraction of
+        ``flops`` it ran at (the mean over dtypes, at most 1)."""
         best = self.flops
         return tuple((2.0 * side**3, _round(float(np.mean(
             [min(1.0, rates[side] / best[dtype]) for dtype, rates in self.rates.items()]))))
@@ -189,7 +189,8 @@ class Profile:
             header.append(f"CPU: {who} this host's {os.cpu_count()} cores, so these figures "
                           f"describe this host, not a GPU.")
         header += [
-            f"matmul (sides {sides}, the largest sets the rate): bf16 {_rate(figures.flops['bfloat16'])}FLOP/s, "
+            f"matmul (sides {sides}, the largest sets the rate): bf16 "
+            f"{_rate(figures.flops['bfloat16'])}FLOP/s, "
             f"fp32 {_rate(figures.flops['float32'])}FLOP/s at JAX's default precision; "
             f"per side (bf16/fp32): " + ", ".join(
                 f"{side} {_rate(figures.rates['bfloat16'][side])}/"
