@@ -32,12 +32,13 @@ import os
 import re
 import statistics
 import time
+from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 
 from spmd.cluster.hardware import DeviceSpec
-from spmd.cluster.mesh import DeviceMesh, Link, make_mesh, mesh_yaml
+from spmd.cluster.mesh import BUNDLED_DIR, DeviceMesh, Link, make_mesh, mesh_yaml
 from spmd.cost.partitioner import COLLECTIVE_KINDS, Collective
 from spmd.cost.time import CostModel
 from spmd.errors import MeshError, ProfileError
@@ -177,7 +178,8 @@ class Profile:
         sides = ", ".join(map(str, figures.matmul_sides))
         header = [
             f"spmd profile of mesh {self.source.name}"
-            + (f" ({self.source.source})" if self.source.source else "") + f", {env['date']}",
+            + (f" ({_where(self.source.source)})" if self.source.source else "")
+            + f", {env['date']}",
             f"jax {env['jax']}, jaxlib {env['jaxlib']}, platform {env['platform']}, device "
             f"kind {env['device_kind']}, "
             + (f"{self.source.size} devices measured at once" if self.source.size > 1
@@ -504,6 +506,15 @@ def _per_second(work: float, seconds: float, what: str) -> float:
         raise ProfileError(f"{what}: the timed loop was lost in noise; run again on an idle "
                            f"machine")
     return work / seconds
+
+
+def _where(path: str) -> str:
+    """A mesh file as the profile's header names it: a bundled one by its name (its path is
+    an install's), any other as given."""
+    try:
+        return f"bundled {Path(path).resolve().relative_to(BUNDLED_DIR.resolve()).stem}"
+    except ValueError:
+        return path
 
 
 def _round(value: float) -> float:

@@ -70,6 +70,7 @@ def test_the_file_says_how_and_where_it_was_measured(measured):
     for expected in (f"jax {jax.__version__}", "platform cpu", "device kind cpu",
                      "simulated devices share this host's", "not a GPU",
                      "kernel overhead:", "transpose: a 128x128 fp32 matrix",
+                     "(bundled cpu-8), ",
                      "convolution: 3x3, NHWC 4x8x8x64", "side below 64 run batched", "# model: 2 devices; link = joint fit of all-reduce "
                      "and all-gather", "#   reduce-scatter", "nothing crosses it"):
         assert expected in text, expected
