@@ -8,6 +8,7 @@ import io
 from typing import TYPE_CHECKING
 
 from spmd.cost.partitioner import COLLECTIVE_KINDS
+from spmd.manual import DOES_NOT_APPLY
 from spmd.sharding import bytes_per_device, format_spec
 
 if TYPE_CHECKING:
@@ -108,14 +109,19 @@ def solver_summary(search: dict) -> str | None:
 def _prediction_table(plan: "Plan"):
     from rich.table import Table
 
-    table = Table(title="predicted cost per step (cost model)")
+    table = Table(title="predicted cost per step (cost model)", caption_justify="left")
     for col in ("plan", "compute ms", "memory-bound ms", "launch ms", "comm ms", "total ms",
                 "collective MiB", "memory MiB", "note"):
         table.add_column(col, justify="left" if col in ("plan", "note") else "right",
                          no_wrap=col == "plan")
     entries = ([(f"{plan.method} (this plan)", plan.prediction)] if plan.prediction else [])
     entries += list(plan.alternatives.items())
+    # methods that do not apply: one line under the table per reason, not a row each
+    skipped: dict[str, list[str]] = {}
     for name, pred in entries:
+        if isinstance(pred, str) and pred.startswith(DOES_NOT_APPLY):
+            skipped.setdefault(pred[len(DOES_NOT_APPLY):], []).append(name)
+            continue
         if isinstance(pred, str) or pred is None:
             table.add_row(name, "", "", "", "", "", "", "", pred or "")
             continue
@@ -123,6 +129,9 @@ def _prediction_table(plan: "Plan"):
                       f"{pred.launch_time * 1e3:.3f}", f"{pred.comm_time * 1e3:.3f}",
                       f"{pred.total_time * 1e3:.3f}", f"{pred.collective_bytes / 2**20:.3f}",
                       f"{pred.memory_bytes / 2**20:.2f}", "")
+    if skipped:
+        table.caption = "\n".join(f"{', '.join(names)}: does not apply: {why}"
+                                   for why, names in skipped.items())
     return table
 
 

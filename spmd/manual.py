@@ -132,6 +132,10 @@ def _shards_state(leaves: Sequence[Leaf], specs: Sequence[Spec],
                if pins[i] is None and leaf.kind in ("param", "optimizer"))
 
 
+#: how a plan's ``alternatives`` begin the entry of a method that does not apply to the step
+DOES_NOT_APPLY = "does not apply: "
+
+
 def applicable_methods(leaves: Sequence[Leaf], mesh: DeviceMesh,
                        pins: Sequence[Spec | None] | None = None) -> dict[str, str | None]:
     """Each method, mapped to None when it applies or to the reason it does not (among them:
@@ -141,7 +145,17 @@ def applicable_methods(leaves: Sequence[Leaf], mesh: DeviceMesh,
     out: dict[str, str | None] = {}
     names = sorted({n for l in leaves if l.logical and l.kind != "batch" for n in l.logical if n})
     has_experts = "expert" in names
+    example = next((l for l in leaves if l.kind == "param" and l.shape),
+                   next((l for l in leaves if l.kind != "batch" and l.shape), None))
+    unnamed = ("needs logical axis names, and no input has any"
+               + (f" (e.g. {example.path}, shape {example.shape})" if example else "")
+               + ", so it would be data parallelism; give them with nnx.with_partitioning or "
+                 "logical_axes=")
     for name, method in METHODS.items():
+        wanted = set(method.params) | set(method.optimizer or ())
+        if wanted and not names:  # a plain-JAX step without logical_axes=: one reason for all
+            out[name] = unnamed
+            continue
         if name == "ep" and not has_experts:
             out[name] = "the model has no 'expert' dimension"
             continue
@@ -150,11 +164,10 @@ def applicable_methods(leaves: Sequence[Leaf], mesh: DeviceMesh,
         except PlanError as err:
             out[name] = str(err)
             continue
-        wanted = set(method.params) | set(method.optimizer or ())
         out[name] = None
         if wanted and not _shards_state(leaves, specs, pins):
             if not wanted & set(names):
-                why = f"the model's logical names are {names or 'none'}"
+                why = f"the model's logical names are {names}"
             elif not method.params and not any(l.kind == "optimizer" for l in leaves):
                 why = "the step has no optimizer state"
             else:

@@ -17,7 +17,7 @@ from spmd import cache
 from spmd.cluster.mesh import DeviceMesh
 from spmd.errors import PlanError, warn
 from spmd.logical import user_pins
-from spmd.manual import applicable_methods, manual_specs
+from spmd.manual import DOES_NOT_APPLY, applicable_methods, manual_specs
 from spmd.options import SearchOptions
 from spmd.plan import Plan
 from spmd.search.intra_op import AutoResult, InputInfo, IntraOp, score_result
@@ -59,7 +59,7 @@ def _baselines(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions,
         return specs, skipped
     for name, why_not in applicable_methods(sig.leaves, mesh, pins).items():
         if why_not:
-            skipped[name] = f"does not apply: {why_not}"
+            skipped[name] = f"{DOES_NOT_APPLY}{why_not}"
         else:
             specs[name] = manual_specs(sig.leaves, name, mesh, pins)
     return specs, skipped

@@ -208,3 +208,22 @@ def test_describe_shows_the_batch_past_many_parameters():
     text = plan.describe()
     assert "batch/x" in text and "P(data, -)" in text
     assert "more other state" in text and "params/w00" in text  # no names: not "param"
+
+
+def test_describe_gives_one_line_for_the_methods_a_plain_step_cannot_use():
+    """A plain-JAX step has no logical names: every method but dp would be data
+    parallelism, for one reason, said once under the table rather than in a row each."""
+    def step(w, x):
+        return w - 0.1 * jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
+
+    mesh = spmd.make_mesh({"data": 2, "model": 4}, virtual=True)
+    plan = spmd.plan(step, jax.ShapeDtypeStruct((64, 64), jnp.float32),
+                     jax.ShapeDtypeStruct((32, 64), jnp.float32), mesh=mesh)
+    text = " ".join(plan.describe().split())
+    assert ("zero, fsdp, tp, dp_tp, fsdp_tp, ep: does not apply: needs logical axis names, "
+            "and no input has any (e.g. w, shape (64, 64)), so it would be data parallelism; "
+            "give them with nnx.with_partitioning or logical_axes=") in text
+    assert text.count("does not apply") == 1
+    from spmd.search.predict import Prediction
+
+    assert isinstance(plan.alternatives["dp"], Prediction)

@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping, Sequence
 from spmd.analysis.report import analyze
 from spmd.api import plan, plan_manual
 from spmd.logical import user_pins
-from spmd.manual import applicable_methods, manual_specs
+from spmd.manual import DOES_NOT_APPLY, applicable_methods, manual_specs
 from spmd.options import SearchOptions
 from spmd.plan import Plan
 from spmd.runtime.compile import prepare
@@ -147,7 +147,7 @@ def judge(record: Mapping[str, Any]) -> dict[str, Any]:
     s["auto_pred_s"] = pred["total_time"]
     scored = {k: v for k, v in record["alternatives"].items() if isinstance(v, dict)}
     s["not_scored"] = {k: v for k, v in record["alternatives"].items()
-                       if isinstance(v, str) and not v.startswith("does not apply")}
+                       if isinstance(v, str) and not v.startswith(DOES_NOT_APPLY)}
     if scored:
         name = min(scored, key=lambda k: scored[k]["total_time"])
         s["best_manual_pred"] = (name, scored[name]["total_time"])
