@@ -126,6 +126,11 @@ def test_a_small_matmul_runs_at_its_profiled_fraction_and_the_curve_reads_back(t
     path = tmp_path / "curve.yaml"
     path.write_text(spmd.cluster.mesh.mesh_yaml(mesh))
     assert spmd.load_mesh(path).device == device
+    with pytest.raises(spmd.errors.MeshError, match=r"a.yaml: device.transpose_fraction: "
+                                                    r"expected a fraction above 0"):
+        spmd.cluster.hardware.device_spec(
+            {"peak_flops_bf16": 1, "peak_flops_fp32": 1, "memory_bytes": 1,
+             "memory_bandwidth": 1, "transpose_fraction": 0}, "a.yaml: device")
     with pytest.raises(spmd.errors.MeshError, match="matmul_curve: FLOPs must be positive"):
         spmd.cluster.hardware.device_spec(
             {"peak_flops_bf16": 1, "peak_flops_fp32": 1, "memory_bytes": 1,

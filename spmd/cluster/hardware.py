@@ -154,6 +154,11 @@ def device_spec(value: str | Mapping[str, Any] | DeviceSpec, where: str = "devic
                 f"valid keys: {', '.join(_FIELDS)}"
             )
         fields = {"name": "custom", **value}
+        for key in ("matmul_fraction", "bandwidth_fraction", "transpose_fraction",
+                    "conv_fraction"):
+            if key in fields and not _positive(fields[key]):
+                raise MeshError(f"{where}.{key}: expected a fraction above 0 (achieved / "
+                                f"peak), got {fields[key]!r}")
         try:
             return DeviceSpec(
                 name=str(fields["name"]),
@@ -172,6 +177,13 @@ def device_spec(value: str | Mapping[str, Any] | DeviceSpec, where: str = "devic
         except (TypeError, ValueError) as err:
             raise MeshError(f"{where}: device fields must be numbers: {err}") from None
     raise MeshError(f"{where}: expected a device name or a mapping, got {type(value).__name__}")
+
+
+def _positive(value: Any) -> bool:
+    try:
+        return float(value) > 0
+    except (TypeError, ValueError):
+        return False
 
 
 def _curve(value: Any, where: str) -> tuple[tuple[float, float], ...]:
