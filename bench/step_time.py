@@ -12,8 +12,8 @@
 
 Measured is the step time as ``spmd run`` reports it: the wall time of
 ``jax.block_until_ready(step(model, optimizer, batch))`` through spmd's ``ParallelStep``,
-the median after the first call (``spmd.cli._median_step``). Beside it, each step also calls
-the compiled XLA executable alone on already placed flat arrays (the state fed back as the
+the median after the first call (``spmd.timing.median_step``). Beside it, each step also
+calls the compiled XLA executable alone on already placed flat arrays (the state fed back as the
 step's outputs), timed the same way, so the wrapper's per-call Python work (flattening the
 NNX state, checking placements, writing the new state back) shows as the difference.
 Predicted is ``plan.prediction.total_time`` on the profiled mesh.
@@ -234,7 +234,7 @@ def show(cases: list[Case]) -> None:
 
 def case_result(case: Case) -> dict[str, Any]:
     """A case's numbers for the JSON: medians after the first call, as ``spmd run``."""
-    from spmd.cli import _median_step
+    from spmd.timing import median_step
 
     pred = case.plan.prediction
     out: dict[str, Any] = {
@@ -247,8 +247,8 @@ def case_result(case: Case) -> dict[str, Any]:
         "losses": case.losses, "error": case.error,
     }
     if case.wrapper_s and case.error is None:
-        out["measured_s"] = _median_step(case.wrapper_s)
-        out["executable_s"] = _median_step(case.executable_s)
+        out["measured_s"] = median_step(case.wrapper_s)
+        out["executable_s"] = median_step(case.executable_s)
         out["spread"] = spread(case.wrapper_s[1:])
     return out
 

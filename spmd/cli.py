@@ -19,6 +19,7 @@ import typer
 from spmd.cluster.mesh import DeviceMesh
 from spmd.errors import SpmdError
 from spmd.options import SearchOptions
+from spmd.timing import median_step
 
 app = typer.Typer(add_completion=False,
                   help="spmd: searched sharding plans for JAX/Flax training steps.")
@@ -126,13 +127,6 @@ def _train(call: Callable[[], Any], steps: int) -> tuple[list[Optional[float]], 
     return losses, times
 
 
-def _median_step(times: list[float]) -> float:
-    """The step time reported: the median after the first step (which may compile)."""
-    import numpy as np
-
-    return float(np.median(times[1:] or times))
-
-
 @app.command()
 def run(
     model: Optional[str] = typer.Option(None, help=f"zoo model name (see `spmd models`; "
@@ -198,7 +192,7 @@ def run(
     if checkpoint is not None:
         spmd.save_checkpoint(checkpoint, net, opt)  # replaces the one resumed from once written
         _say(f"saved {checkpoint}")
-    step_time = _median_step(times)
+    step_time = median_step(times)
     per_second = spec.items_per_batch(size) / step_time
     _say(f"step time {step_time * 1e3:.1f} ms (median after the first), "
          f"{per_second:,.0f} {spec.unit}/s")
@@ -246,7 +240,7 @@ def _run_own_step(step_ref: str, device_mesh: DeviceMesh, method: str, options: 
     _say(device_mesh.describe())
     _say(f"step {step_ref}; method {method}")
     losses, times = _train(call, steps)
-    step_time = _median_step(times)
+    step_time = median_step(times)
     _say(f"step time {step_time * 1e3:.1f} ms (median after the first)")
     _say_predicted(step_time, plan)
     _say(plan.describe(max_rows=None if describe else 12))

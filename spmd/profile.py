@@ -43,8 +43,8 @@ from spmd.cost.partitioner import COLLECTIVE_KINDS, Collective
 from spmd.cost.time import CostModel
 from spmd.errors import MeshError, ProfileError
 
-__all__ = ["DEFAULT_SIZES", "QUICK_SIZES", "DeviceFigures", "Fit", "Profile", "fit_link",
-           "profile_mesh"]
+__all__ = ["DEFAULT_SIZES", "QUICK_SIZES", "DeviceFigures", "Fit", "Profile", "TimedShapes",
+           "fit_link", "profile_mesh"]
 
 KIB, MIB = 1024, 1024**2
 #: bytes per device of each collective timed (B as the cost model counts it): 4 KiB .. 16 MiB
@@ -55,7 +55,7 @@ LINK_KINDS = ("all-reduce", "all-gather")
 
 
 @dataclasses.dataclass(frozen=True)
-class _Shapes:
+class TimedShapes:
     """What a platform's device is timed on."""
 
     sides: tuple[int, ...]  # square matmuls
@@ -67,11 +67,12 @@ class _Shapes:
 
 #: by platform, then in quick mode
 _DEVICE_SHAPES = {
-    ("cpu", False): _Shapes((8, 16, 32, 64, 128, 256, 512), 64, 32 * MIB, 256, (8, 16, 16, 64)),
-    ("cpu", True): _Shapes((8, 32, 128), 64, 4 * MIB, 128, (4, 8, 8, 64)),
-    ("gpu", False): _Shapes((64, 128, 256, 1024, 2048, 4096, 8192), 256, 1024 * MIB, 4096,
-                            (32, 32, 32, 256)),
-    ("gpu", True): _Shapes((64, 256, 2048), 256, 256 * MIB, 2048, (8, 32, 32, 256)),
+    ("cpu", False): TimedShapes((8, 16, 32, 64, 128, 256, 512), 64, 32 * MIB, 256,
+                                (8, 16, 16, 64)),
+    ("cpu", True): TimedShapes((8, 32, 128), 64, 4 * MIB, 128, (4, 8, 8, 64)),
+    ("gpu", False): TimedShapes((64, 128, 256, 1024, 2048, 4096, 8192), 256, 1024 * MIB, 4096,
+                                (32, 32, 32, 256)),
+    ("gpu", True): TimedShapes((64, 256, 2048), 256, 256 * MIB, 2048, (8, 32, 32, 256)),
 }
 #: the k-iteration run: about this many seconds (by quick), and 4 to 63 iterations more than
 #: the 1-iteration run it is compared with (enough that their noise does not dominate)
@@ -107,11 +108,7 @@ class DeviceFigures:
     transpose_bandwidth: float  # bytes read + written per second by a transpose
     memory_bytes: int
     kernel_overhead: float  # seconds one more kernel adds to a program
-    matmul_sides: tuple[int, ...]  # the square matmuls timed
-    buffer_bytes: int  # the elementwise op's buffer per device
-    batched_below: int  # sides below this were timed batched (``_Shapes``)
-    transpose_side: int  # the square fp32 matrix transposed
-    conv_shape: tuple[int, int, int, int]  # the convolution's NHWC input
+    shapes: TimedShapes  # what was timed
 
     @property
     def flops(self) -> dict[str, float]:
@@ -119,23 +116,25 @@ class DeviceFigures:
         on a shared host each timing varies (a 512^3 fp32 matmul, timed 12 times within a
         minute on 2 cores: 75-120 GFLOP/s), and the best of seven such timings is mostly the
         luckiest, which would price every matmul as if undisturbed."""
-        largest = max(self.matmul_sides)
+        largest = max(self.shapes.sides)
         return {dtype: rates[largest] for dtype, rates in self.rates.items()}
 
     def curve(self) -> tuple[tuple[float, float], ...]:
         """``DeviceSpec.matmul_curve``: per side timed, its FLOPs and the fraction of
         ``flops`` it ran at (the mean over dtypes, at most 1)."""
-        best = self.flops
-        return tuple((2.0 * side**3, _round(float(np.mean(
-            [min(1.0, rates[side] / best[dtype]) for dtype, rates in self.rates.items()]))))
-            for side in self.matmul_sides)
+        return tuple((2.0 * side**3, _round(self._fraction(
+            {dtype: rates[side] for dtype, rates in self.rates.items()})))
+            for side in self.shapes.sides)
 
     def conv_fraction(self) -> float:
         """``DeviceSpec.conv_fraction``: the convolution's rate over the matmul's (the mean
         over dtypes, at most 1)."""
+        return self._fraction(self.conv_rates)
+
+    def _fraction(self, rates: dict[str, float]) -> float:
+        """The mean over dtypes of ``rates`` (dtype -> FLOP/s) over ``flops``, each at most 1."""
         best = self.flops
-        return float(np.mean([min(1.0, rate / best[dtype])
-                              for dtype, rate in self.conv_rates.items()]))
+        return float(np.mean([min(1.0, rate / best[dtype]) for dtype, rate in rates.items()]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +174,8 @@ class Profile:
         """The mesh file: ``mesh()``, and as comments where and how it was measured, the
         kernel overhead, every collective's fit and the measured times."""
         env, figures = self.environment, self.device
-        sides = ", ".join(map(str, figures.matmul_sides))
+        shapes = figures.shapes
+        sides = ", ".join(map(str, shapes.sides))
         header = [
             f"spmd profile of mesh {self.source.name}"
             + (f" ({_where(self.source.source)})" if self.source.source else "")
@@ -196,14 +196,14 @@ class Profile:
             f"fp32 {_rate(figures.flops['float32'])}FLOP/s at JAX's default precision; "
             f"per side (bf16/fp32): " + ", ".join(
                 f"{side} {_rate(figures.rates['bfloat16'][side])}/"
-                f"{_rate(figures.rates['float32'][side])}" for side in figures.matmul_sides),
-            f"matmuls of side below {figures.batched_below} run batched, "
-            f"({figures.batched_below} / side)^3 at once",
-            f"memory bandwidth: an elementwise op over {_bytes(figures.buffer_bytes)} per "
+                f"{_rate(figures.rates['float32'][side])}" for side in shapes.sides),
+            f"matmuls of side below {shapes.batched_below} run batched, "
+            f"({shapes.batched_below} / side)^3 at once",
+            f"memory bandwidth: an elementwise op over {_bytes(shapes.buffer)} per "
             f"device, bytes read + written",
-            f"transpose: a {figures.transpose_side}x{figures.transpose_side} fp32 matrix, "
+            f"transpose: a {shapes.transpose_side}x{shapes.transpose_side} fp32 matrix, "
             f"{_rate(figures.transpose_bandwidth)}B/s read + written",
-            f"convolution: 3x3, NHWC {'x'.join(map(str, figures.conv_shape))} keeping its "
+            f"convolution: 3x3, NHWC {'x'.join(map(str, shapes.conv_shape))} keeping its "
             f"channels: bf16 {_rate(figures.conv_rates['bfloat16'])}FLOP/s, fp32 "
             f"{_rate(figures.conv_rates['float32'])}FLOP/s",
             f"kernel overhead: {figures.kernel_overhead * 1e6:.2f} us per kernel (a chain of "
@@ -280,9 +280,7 @@ def profile_mesh(mesh: DeviceMesh, sizes: Sequence[int] | None = None, quick: bo
             conv_rates={dtype: timer.conv(shapes.conv_shape, dtype)
                         for dtype in ("bfloat16", "float32")},
             memory_bytes=int(stats.get("bytes_limit", mesh.device.memory_bytes)),
-            kernel_overhead=overhead, matmul_sides=shapes.sides, buffer_bytes=shapes.buffer,
-            batched_below=shapes.batched_below, transpose_side=shapes.transpose_side,
-            conv_shape=shapes.conv_shape),
+            kernel_overhead=overhead, shapes=shapes),
         collectives=collectives, links=links, repeats=repeats,
         environment={"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                      "jax": jax.__version__, "jaxlib": jaxlib.__version__,

@@ -7,15 +7,18 @@ spmd's internals from outside.
 ...     pass
 >>> sorted(watch.seconds)
 ['trace']
+
+Step times are reported as ``median_step``: the median after the first step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from typing import Iterator
 
-__all__ = ["Stopwatch"]
+__all__ = ["Stopwatch", "median_step"]
 
 
 class Stopwatch:
@@ -34,3 +37,13 @@ class Stopwatch:
 
     def as_dict(self) -> dict[str, float]:
         return dict(self.seconds)
+
+
+def median_step(times: list[float]) -> float:
+    """The step time reported (by ``spmd run`` and the benchmarks): the median after the
+    first step, which may compile.
+
+    >>> median_step([5.0, 1.0, 3.0, 2.0])
+    2.0
+    """
+    return float(statistics.median(times[1:] or times))

@@ -61,7 +61,7 @@ from spmd.cluster.mesh import DeviceMesh
 from spmd.cost.time import CostModel
 from spmd.errors import PlanError
 from spmd.memory.liveness import Liveness
-from spmd.search.fusion import FREE, FUSIBLE, fuse
+from spmd.search.fusion import fuse, never_in_memory
 from spmd.search.layout import transposed_operands
 from spmd.sharding import (Spec, all_specs, bytes_per_device, format_spec, is_valid, replicated,
                            shard_shape)
@@ -209,29 +209,13 @@ class CostGraph:
         self._tie_layers(share_layers)
         self.charges = self._shared_latency()
         self.liveness = Liveness(graph, donated=set(self.aliases.values()),
-                                 fused=self._fused_values())
+                                 fused=never_in_memory(graph, self.fusion))
         # Repeated layers repeat shapes and spec lists: prices are memoized on them.
         self._reshards: dict[tuple, tuple[float, tuple]] = {}
         self._matrices: dict[tuple, tuple[np.ndarray, tuple, tuple]] = {}
         self._fanouts: dict[tuple, tuple] = {}
         self._own_rows: dict[tuple, tuple] = {}
         self._bytes_rows: dict[tuple, np.ndarray] = {}
-
-    def _fused_values(self) -> frozenset[Value]:
-        """Values no kernel writes to memory (``Fusion.writes``) whose last reader runs
-        before any op of a kernel that fuses nothing (a matmul, a gather, a loop), as in the
-        optimizer update: XLA keeps those inside one kernel. A value read across such an op
-        (a forward activation read by the backward pass) is taken to be in memory: XLA:CPU
-        fuses far less than ``fuse`` does (gpt-tiny: 345 fusions against 145 kernels), and
-        taking those out too under-predicted its tensor-parallel plans 2x."""
-        graph, fusion = self.graph, self.fusion
-        unfused = np.cumsum([n.kind == "op" and n.op.primitive not in FUSIBLE
-                             and n.op.primitive not in FREE for n in graph.nodes])
-        last = graph.last_use()
-        return frozenset(
-            Value(n.id, k) for n in graph.nodes if fusion.kernel[n.id] >= 0
-            for k, written in enumerate(fusion.writes[n.id])
-            if not written and unfused[min(last[n.id], len(unfused) - 1)] == unfused[n.id])
 
     # -- strategies and their seconds ----------------------------------------------------
     def _strategies(self, n: Node) -> list[_rules.Strategy]:
@@ -259,7 +243,8 @@ class CostGraph:
         transpose = n.op.primitive == "transpose"
         traffic = np.array([self.cost.memory_time(self._traffic(n, s), transpose)
                             for s in ss])
-        relayout = np.array([self.cost.memory_time(self._relayout_bytes(n, s), True)
+        relayouts = self._relayouts(n)
+        relayout = np.array([self.cost.memory_time(self._relayout_bytes(n, s, relayouts), True)
                              for s in ss])
         compute = np.maximum(flop_time, traffic) + relayout
         # Off the critical path XLA combines a kind's collectives into one: each pays its
@@ -288,11 +273,11 @@ class CostGraph:
         return transposed_operands(*n.op.in_shapes[:2], n.op.params["dimension_numbers"],
                                    self.mesh.platform)
 
-    def _relayout_bytes(self, n: Node, s: _rules.Strategy) -> float:
-        """Bytes one device's transposes read and write for a matmul's reordered operands
-        under ``s`` (each read and written once)."""
+    def _relayout_bytes(self, n: Node, s: _rules.Strategy, operands: Sequence[int]) -> float:
+        """Bytes one device's transposes read and write for a matmul's reordered
+        ``operands`` (``_relayouts``) under ``s``, each read and written once."""
         return sum(2.0 * bytes_per_device(n.op.in_shapes[k], n.op.in_dtypes[k], s.in_specs[k],
-                                          self.mesh_shape) for k in self._relayouts(n))
+                                          self.mesh_shape) for k in operands)
 
     def _traffic(self, n: Node, s: _rules.Strategy) -> float:
         """Bytes one device reads and writes in memory for an op under ``s``

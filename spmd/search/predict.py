@@ -11,7 +11,7 @@ a value resharded once per target spec and loop level), and the peak memory by l
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -98,7 +98,9 @@ def predict(enc: Encoding, node_choice: Sequence[int]) -> Prediction:
     partitioner = cg.cost.partitioner
     compute = comm = memory = launch = tie_break = 0.0
     counts = {k: [0, 0.0] for k in COLLECTIVE_KINDS}
-    combined: set = set()  # (kind, axes) groups XLA merged into one collective
+    combined_at: dict = {}  # (kind, axes) group XLA merged into one collective -> its last op
+    # partial sums a reduction collective reads: (op, its combine group or None, bytes)
+    partials: list[tuple[int, Any, float]] = []
     picked: set[tuple[int, int]] = set()  # (root, root strategy) chosen: charges paid
     strategy = []  # the strategy of every node under the plan
     for n in graph.nodes:
@@ -120,10 +122,13 @@ def predict(enc: Encoding, node_choice: Sequence[int]) -> Prediction:
             key = partitioner.combine_key(c) if off else None
             if key is None:
                 row[0] += n.repeat
-            elif key not in combined:
-                combined.add(key)
+            elif key not in combined_at:
                 row[0] += 1
+            if key is not None:
+                combined_at[key] = n.id
             row[1] += c.bytes * n.repeat
+            if c.kind in ("all-reduce", "reduce-scatter"):
+                partials.append((n.id, key, c.bytes))
     comm += sum(lat for lat, members in cg.charges if any(m in picked for m in members))
     # Reshards: once per (value, target spec, loop level), as XLA reshards a value; each
     # target spec's copy is a buffer from its first reader to its last.
@@ -154,39 +159,29 @@ def predict(enc: Encoding, node_choice: Sequence[int]) -> Prediction:
                        for (v, _, _), fused in zip(live.intervals, live.fused)])
     extra = [Buffer(min(at), max(at), float(cg.bytes_row(v, (dst,))[0]))
              for (v, dst), at in copies.items()]
-    extra += _partial_results(cg, strategy)
+    extra += _partial_results(cg, strategy, partials, combined_at)
     return Prediction(compute - memory - launch, comm, live.peak(nbytes, extra),
                       {k: (c, b) for k, (c, b) in counts.items()},
                       objective=compute + comm + tie_break, memory_time=memory,
                       launch_time=launch)
 
 
-def _partial_results(cg: CostGraph, strategy: Sequence) -> list[Buffer]:
-    """The buffers of ops' partial sums that are not their result: a collective XLA
-    combines with others of its kind (off the critical path: the weight gradients) reads its
-    input when the last op of its group has run, so each input lives from its op to there,
-    beside the group's results (XLA:CPU's combined all-reduce of dp's gradients: twice their
-    bytes in its temporaries); any other partial sum larger than its result (a
-    reduce-scatter's input; on XLA:CPU, the whole all-reduced array before its slice) lives
-    at its op."""
-    partitioner = cg.cost.partitioner
-    ops = [(n, s) for n, s in zip(cg.graph.nodes, strategy) if n.kind == "op"]
-    combined_at: dict = {}
-    for n, s in ops:
-        if n.id in cg.off_path:
-            for c in s.collectives:
-                key = partitioner.combine_key(c)
-                if key is not None:
-                    combined_at[key] = max(combined_at.get(key, n.id), n.id)
+def _partial_results(cg: CostGraph, strategy: Sequence, partials: Sequence[tuple[int, Any, float]],
+                     combined_at: Mapping) -> list[Buffer]:
+    """The buffers of ops' partial sums (``partials``: op, combine group, bytes) that are not
+    their result: a collective XLA combines with others of its kind (off the critical path:
+    the weight gradients) reads its input when the last op of its group (``combined_at``)
+    has run, so each input lives from its op to there, beside the group's results (XLA:CPU's
+    combined all-reduce of dp's gradients: twice their bytes in its temporaries); any other
+    partial sum larger than its result (a reduce-scatter's input; on XLA:CPU, the whole
+    all-reduced array before its slice) lives at its op."""
     out = []
-    for n, s in ops:
-        result = float(cg.bytes_row(Value(n.id, 0), (s.out_specs[0],))[0]) if s.out_specs else 0.0
-        for c in s.collectives:
-            if c.kind not in ("all-reduce", "reduce-scatter"):
-                continue
-            key = partitioner.combine_key(c) if n.id in cg.off_path else None
-            if key is not None:  # waits for its group, beside the group's results
-                out.append(Buffer(n.id, combined_at[key], c.bytes))
-            elif c.bytes > result:
-                out.append(Buffer(n.id, n.id, c.bytes))
+    for node, key, nbytes in partials:
+        if key is not None:  # waits for its group, beside the group's results
+            out.append(Buffer(node, combined_at[key], nbytes))
+            continue
+        s = strategy[node]
+        result = float(cg.bytes_row(Value(node, 0), (s.out_specs[0],))[0]) if s.out_specs else 0.0
+        if nbytes > result:
+            out.append(Buffer(node, node, nbytes))
     return out
