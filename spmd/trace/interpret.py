@@ -13,13 +13,16 @@ sharding-constraint interpreter of ``spmd.runtime.constrain``).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import contextlib
+from typing import Any, Callable, Iterator, Sequence
 
 from jax.extend import core as jcore
+from jax.extend import source_info_util
+
 
 from spmd.trace.graph import SCAN, Path, inner_jaxpr
 
-__all__ = ["eval_jaxpr_with"]
+__all__ = ["eval_jaxpr_with", "named_like"]
 
 
 def eval_jaxpr_with(jaxpr, consts: Sequence[Any], args: Sequence[Any],
@@ -57,12 +60,28 @@ def eval_jaxpr_with(jaxpr, consts: Sequence[Any], args: Sequence[Any],
         else:
             if operand_hook is not None:
                 invals = operand_hook(here, invals)
-            outs = eqn.primitive.bind(*invals, **eqn.params)
+            with named_like(eqn):
+                outs = eqn.primitive.bind(*invals, **eqn.params)
             outs = list(outs) if eqn.primitive.multiple_results else [outs]
             outs = hook(here, eqn, outs)
         for var, val in zip(eqn.outvars, outs):
             env[var] = val
     return [read(a) for a in jaxpr.outvars]
+
+
+@contextlib.contextmanager
+def named_like(eqn, prefix: str | None = None) -> Iterator[None]:
+    """Bind under ``eqn``'s own name stack (``prefix/`` before it), so a re-traced step keeps
+    the names that tell its forward ops from its backward ones (``spmd.trace.layers``)."""
+    info = getattr(eqn, "source_info", None)
+    if info is None or not hasattr(source_info_util, "user_context"):
+        yield  # names are informational: a jax without the hook traces without them
+        return
+    stack = info.name_stack
+    if prefix:
+        stack = source_info_util.new_name_stack(prefix) + stack
+    with source_info_util.user_context(info.traceback, name_stack=stack):
+        yield
 
 
 def _eval_scan(eqn, invals: list[Any], hook, operand_hook, path: Path) -> list[Any]:
