@@ -29,6 +29,8 @@ def describe(plan: "Plan", max_rows: int | None = 60) -> str:
     totals = plan.bytes_by_kind()
     console.print("state per device: " + ", ".join(f"{k} {v / 2**20:.2f} MiB"
                                                     for k, v in sorted(totals.items())))
+    if plan.remat is not None and plan.remat.active:
+        console.print(_remat_line(plan))
     if plan.search:
         summary = solver_summary(plan.search)  # the raw counters stay in the plan's JSON
         if summary:
@@ -88,6 +90,26 @@ def _inputs_table(plan: "Plan", max_rows: int | None):
     return table
 
 
+def _remat_line(plan: "Plan") -> str:
+    """Which layers recompute what, and what it costs."""
+    from spmd.memory.remat import POLICY_MEANING
+
+    remat = plan.remat
+    layers = [k for k, p in enumerate(remat.policies) if p is not None]
+    policies = sorted({p for p in remat.policies if p is not None})
+    span = (f"layers {layers[0]}-{layers[-1]}" if layers == list(range(layers[0], layers[-1] + 1))
+            else "layers " + ", ".join(map(str, layers)))
+    line = (f"rematerialized: {remat.summary()} ({span}; "
+            + "; ".join(f"{p}: {POLICY_MEANING[p]}" for p in policies) + ")")
+    if plan.prediction is not None:
+        line += (f", recompute {plan.prediction.recompute_time * 1e3:.3f} ms per step "
+                 f"({plan.prediction.recompute_time / plan.prediction.total_time:.0%} of it)")
+    probes = (plan.search or {}).get("remat_probes")
+    if probes:
+        line += f"; {len(probes)} searches to find it"
+    return line
+
+
 def solver_summary(search: dict) -> str | None:
     """How good the search's plan is: the objective against the proven lower bound."""
     s = search or {}
@@ -110,12 +132,17 @@ def _prediction_table(plan: "Plan"):
     from rich.table import Table
 
     table = Table(title="predicted cost per step (cost model)", caption_justify="left")
-    for col in ("plan", "compute ms", "memory-bound ms", "launch ms", "comm ms", "total ms",
-                "collective MiB", "memory MiB", "note"):
-        table.add_column(col, justify="left" if col in ("plan", "note") else "right",
-                         no_wrap=col == "plan")
     entries = ([(f"{plan.method} (this plan)", plan.prediction)] if plan.prediction else [])
     entries += list(plan.alternatives.items())
+    # a recompute column only where some plan rematerializes
+    remat = any(not isinstance(p, str) and p is not None and p.recompute_time
+                for _, p in entries)
+    columns = ["plan", "compute ms", "memory-bound ms", "launch ms"]
+    columns += ["recompute ms"] * remat + ["comm ms", "total ms", "collective MiB",
+                                            "memory MiB", "note"]
+    for col in columns:
+        table.add_column(col, justify="left" if col in ("plan", "note") else "right",
+                         no_wrap=col == "plan")
     # methods that do not apply: one line under the table per reason, not a row each
     skipped: dict[str, list[str]] = {}
     for name, pred in entries:
@@ -123,11 +150,12 @@ def _prediction_table(plan: "Plan"):
             skipped.setdefault(pred[len(DOES_NOT_APPLY):], []).append(name)
             continue
         if isinstance(pred, str) or pred is None:
-            table.add_row(name, "", "", "", "", "", "", "", pred or "")
+            table.add_row(name, *[""] * (len(columns) - 2), pred or "")
             continue
-        table.add_row(name, f"{pred.compute_time * 1e3:.3f}", f"{pred.memory_time * 1e3:.3f}",
-                      f"{pred.launch_time * 1e3:.3f}", f"{pred.comm_time * 1e3:.3f}",
-                      f"{pred.total_time * 1e3:.3f}", f"{pred.collective_bytes / 2**20:.3f}",
+        ms = lambda t: f"{t * 1e3:.3f}"  # noqa: E731
+        table.add_row(name, ms(pred.compute_time), ms(pred.memory_time), ms(pred.launch_time),
+                      *[ms(pred.recompute_time)] * remat, ms(pred.comm_time),
+                      ms(pred.total_time), f"{pred.collective_bytes / 2**20:.3f}",
                       f"{pred.memory_bytes / 2**20:.2f}", "")
     if skipped:
         table.caption = "\n".join(f"{', '.join(names)}: does not apply: {why}"

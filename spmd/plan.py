@@ -14,6 +14,7 @@ import numpy as np
 
 from spmd.cluster.mesh import DeviceMesh
 from spmd.explain import describe as explain
+from spmd.memory.remat import RematPlan, rematerialize
 from spmd.search.predict import Prediction
 from spmd.sharding import Spec, bytes_per_device, spec_from_json, spec_to_json, to_partition_spec
 from spmd.trace.signature import Leaf, StepSignature
@@ -30,9 +31,10 @@ class Plan:
     ``input_specs[i]`` is the spec of ``leaves[i]``; ``output_specs[i]`` of the i-th flat output
     (None: left to XLA). ``prediction`` is the cost model's view (``Prediction``),
     ``alternatives`` the same for each hand-written plan (or why it was not scored),
-    ``measured`` what the compiled HLO showed (see :meth:`attach_measured`). ``signature`` is
-    the traced step the plan belongs to (None for a plan loaded from JSON until
-    ``spmd.plan`` binds it).
+    ``measured`` what the compiled HLO showed (see :meth:`attach_measured`). ``remat`` is
+    which layers recompute what in the backward pass (``spmd.memory.remat``; None: none).
+    ``signature`` is the traced step the plan belongs to (None for a plan loaded from JSON
+    until ``spmd.plan`` binds it).
     """
 
     method: str
@@ -45,7 +47,9 @@ class Plan:
     constraints: dict[str, Spec] = dataclasses.field(default_factory=dict)
     alternatives: dict[str, Prediction | str] = dataclasses.field(default_factory=dict)
     measured: dict | None = None
+    remat: RematPlan | None = None
     signature: StepSignature | None = dataclasses.field(default=None, repr=False)
+    _program: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     # -- shardings -----------------------------------------------------------------------------
     def input_shardings_flat(self) -> list:
@@ -75,6 +79,16 @@ class Plan:
         if self.signature is None:
             raise ValueError("this plan was loaded from JSON; bind it with spmd.plan(...) first")
         return self.signature
+
+    def program(self):
+        """The ClosedJaxpr this plan runs: the step's, with ``remat``'s recomputation written
+        into its backward pass (the constraints' keys name its equations)."""
+        sig = self.bound_signature()
+        if self.remat is None or not self.remat.active:
+            return sig.jaxpr
+        if self._program is None or self._program[0] is not sig:
+            self._program = (sig, rematerialize(sig.jaxpr, self.remat))
+        return self._program[1]
 
     # -- numbers -------------------------------------------------------------------------------
     def bytes_by_kind(self) -> dict[str, int]:
@@ -113,6 +127,7 @@ class Plan:
             "alternatives": {k: v if isinstance(v, str) else v.to_dict()
                              for k, v in self.alternatives.items()},
             "measured": self.measured,
+            "remat": None if self.remat is None else self.remat.to_dict(),
         }
 
     def save(self, path: str | Path) -> None:
@@ -135,6 +150,7 @@ class Plan:
             alternatives={k: v if isinstance(v, str) else Prediction.from_dict(v)
                           for k, v in raw.get("alternatives", {}).items()},
             measured=raw.get("measured"),
+            remat=RematPlan.from_dict(raw["remat"]) if raw.get("remat") else None,
         )
 
     @classmethod

@@ -4,7 +4,9 @@ The step's op graph is built once and priced once (``IntraOp``: the cost graph, 
 spec a hand-written plan pins among its candidates); each applicable hand-written plan is
 scored on it with its inputs pinned, the best one warm-starts the search, and if the search
 ends predicted slower than that plan (its simplifications can exclude it), the plan is
-returned instead, so auto is never predicted slower than the best of them. Every phase's
+returned instead, so auto is never predicted slower than the best of them. When no sharding
+of the step as written fits the memory budget, layers are rematerialized, the fewest that
+fit (``spmd.search.memory_fit``). Every phase's
 seconds are recorded in ``Plan.search["timings"]``; plans are cached (``spmd.cache``).
 """
 
@@ -15,12 +17,13 @@ from typing import Any
 
 from spmd import cache
 from spmd.cluster.mesh import DeviceMesh
-from spmd.errors import PlanError, warn
+from spmd.errors import InfeasibleError, PlanError, warn
 from spmd.logical import user_pins
 from spmd.manual import DOES_NOT_APPLY, applicable_methods, manual_specs
 from spmd.options import SearchOptions
 from spmd.plan import Plan
 from spmd.search.intra_op import AutoResult, InputInfo, IntraOp, score_result
+from spmd.search.memory_fit import fit_with_remat
 from spmd.sharding import Spec
 from spmd.timing import Stopwatch
 from spmd.trace.graph import Graph, build_graph
@@ -79,6 +82,15 @@ def score_manual(sig: StepSignature, mesh: DeviceMesh, method: str, options: Sea
                         solver=solver)
 
 
+def _leanest(baselines: dict[str, list[Spec]], scores: dict[str, Any],
+             count: int = 3) -> list[list[Spec]]:
+    """The input specs of the ``count`` scored hand-written plans predicted to need the
+    least memory, leanest first."""
+    scored = sorted((p.memory_bytes, name) for name, p in scores.items()
+                    if name in baselines and not isinstance(p, str))
+    return [baselines[name] for _, name in scored[:count]]
+
+
 def plan_auto(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions,
               timings: Stopwatch | None = None) -> Plan:
     """Search a plan for the step (or load it from the cache)."""
@@ -117,10 +129,20 @@ def plan_auto(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions,
             scores[name] = scored.prediction
             if best is None or scored.prediction.total_time < best[1].prediction.total_time:
                 best = (name, scored)
-    with timings.phase("search"):
-        result = job.search(memory_budget=options.memory_budget, time_limit=options.time_limit,
-                            solver=options.solver, warm_start=best[1] if best else None)
     budget = mesh.device.memory_bytes if options.memory_budget is None else options.memory_budget
+    base_job, remat, probes = job, None, None
+    with timings.phase("search"):
+        try:
+            result = job.search(memory_budget=budget, time_limit=options.time_limit,
+                                solver=options.solver, warm_start=best[1] if best else None)
+        except InfeasibleError:
+            result = None
+    if result is None or result.prediction.memory_bytes > budget:
+        with timings.phase("remat"):  # no sharding of the step as written fits
+            fitted = fit_with_remat(sig.jaxpr, graph, inputs, mesh,
+                                    output_aliases=sig.output_aliases, budget=budget,
+                                    options=options, lean=_leanest(baselines, scores))
+        result, job, remat, probes = fitted.result, fitted.job, fitted.remat, fitted.probes
     kept_manual = (best is not None
                    and best[1].prediction.total_time < result.prediction.total_time
                    and best[1].prediction.memory_bytes <= budget)
@@ -128,7 +150,8 @@ def plan_auto(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions,
         # The search keeps small inputs replicated, so it can miss a hand-written plan
         # that splits them by a hair; never return a slower plan.
         result = dataclasses.replace(best[1], solver=result.solver, stats=result.stats,
-                                     constraints=job.constraints(best[1]))
+                                     constraints=base_job.constraints(best[1]))
+        remat = probes = None
     solver = result.solver
     if solver is not None and solver.timed_out:
         warn(f"the sharding search reached its time limit ({options.time_limit:g} s); using "
@@ -143,10 +166,11 @@ def plan_auto(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions,
     stats["fallbacks"] = result.fallbacks
     stats["warm_start_from"] = best[0] if best else None
     stats["kept_hand_written"] = best[0] if kept_manual else None
+    stats["remat_probes"] = probes
     stats["timings"] = timings.as_dict()  # the planning phases; "phases": the search's own
     planned = Plan(method="auto", mesh=mesh, leaves=sig.leaves, input_specs=result.input_specs,
                    output_specs=list(result.output_specs), prediction=result.prediction,
                    search=stats, constraints=dict(result.constraints), alternatives=scores,
-                   signature=sig)
+                   remat=remat, signature=sig)
     cache.save(planned, path)
     return planned

@@ -17,6 +17,7 @@ import numpy as np
 
 from spmd.cost.partitioner import COLLECTIVE_KINDS
 from spmd.memory.liveness import Buffer
+from spmd.memory.remat import is_recomputed
 from spmd.search.costgraph import CostGraph
 from spmd.search.encode import Encoding
 from spmd.sharding import Spec
@@ -39,7 +40,9 @@ class Prediction:
       memory_bytes: peak bytes live at once (liveness over the op graph).
       collectives: kind -> (count, bytes) of what XLA is predicted to emit per step.
       objective: what the solver minimized: ``total_time`` plus the tie-break.
-      recompute_time: seconds of rematerialized forward work (0 until remat is planned).
+      recompute_time: seconds of rematerialized forward work: the recomputed ops' FLOPs,
+        memory-bound excess and launches (``spmd.memory.remat``; their collectives are in
+        ``comm_time``).
       bubble_time: seconds pipeline stages wait (0 for a single stage).
       overlap_time: seconds of communication hidden behind compute (0 until collectives
         are scheduled).
@@ -96,7 +99,7 @@ def predict(enc: Encoding, node_choice: Sequence[int]) -> Prediction:
     cg: CostGraph = enc.cg
     graph = cg.graph
     partitioner = cg.cost.partitioner
-    compute = comm = memory = launch = tie_break = 0.0
+    compute = comm = memory = launch = tie_break = recompute = 0.0
     counts = {k: [0, 0.0] for k in COLLECTIVE_KINDS}
     combined_at: dict = {}  # (kind, axes) group XLA merged into one collective -> its last op
     # partial sums a reduction collective reads: (op, its combine group or None, bytes)
@@ -112,9 +115,12 @@ def predict(enc: Encoding, node_choice: Sequence[int]) -> Prediction:
         if n.kind != "op":
             tie_break += float(cg.tie_break(n.id, s.out_specs)[0])
             continue
-        compute += float(cg.compute[n.id][j])
-        memory += float(cg.memory_bound[n.id][j])
-        launch += cg.launch[n.id]
+        if is_recomputed(n.name):
+            recompute += float(cg.compute[n.id][j])
+        else:
+            compute += float(cg.compute[n.id][j])
+            memory += float(cg.memory_bound[n.id][j])
+            launch += cg.launch[n.id]
         comm += float(cg.comm[n.id][j])
         off = n.id in cg.off_path
         for c in s.collectives:
@@ -162,8 +168,8 @@ def predict(enc: Encoding, node_choice: Sequence[int]) -> Prediction:
     extra += _partial_results(cg, strategy, partials, combined_at)
     return Prediction(compute - memory - launch, comm, live.peak(nbytes, extra),
                       {k: (c, b) for k, (c, b) in counts.items()},
-                      objective=compute + comm + tie_break, memory_time=memory,
-                      launch_time=launch)
+                      objective=compute + recompute + comm + tie_break, memory_time=memory,
+                      launch_time=launch, recompute_time=recompute)
 
 
 def _partial_results(cg: CostGraph, strategy: Sequence, partials: Sequence[tuple[int, Any, float]],

@@ -52,7 +52,7 @@ from spmd.solver.min_sum import min_sum_seed
 from spmd.solver.request import (Reduced, SolverRequest, SolverResult, evaluate, memory_peak,
                                  reduce, validate)
 
-__all__ = ["solve"]
+__all__ = ["format_bytes", "solve"]
 
 
 def solve(request: SolverRequest, options: SolverOptions = SolverOptions()) -> SolverResult:
@@ -233,7 +233,7 @@ def _explain_infeasible(r: SolverRequest, prob: Reduced, scaled: Scaled,
             "resharding pairs; some node has no compatible strategy with its neighbours")
     least = _least_peak(r, prob, scaled, options)
     raise InfeasibleError(
-        f"no plan fits the memory budget of {_fmt_bytes(r.memory_budget)} per device: the "
+        f"no plan fits the memory budget of {format_bytes(r.memory_budget)} per device: the "
         f"least peak memory any assignment needs is {least}; rematerialize activations "
         f"(jax.checkpoint), or use more devices")
 
@@ -247,15 +247,16 @@ def _least_peak(r: SolverRequest, prob: Reduced, scaled: Scaled, options: Solver
         choice = built.read(solver)
         peak = memory_peak(r, choice)
         if status == cp_model.OPTIMAL:
-            return _fmt_bytes(peak)
+            return format_bytes(peak)
         low = max(solver.BestObjectiveBound() - len(r.node_names), 0) * memory_unit(r)
-        return f"between {_fmt_bytes(low)} and {_fmt_bytes(peak)}"
+        return f"between {format_bytes(low)} and {format_bytes(peak)}"
     # Lower bound without the solver: each set with every node at its smallest value.
     low = max(sum(min(r.node_memory[v]) for v in set(live)) for live in r.liveness)
-    return f"at least {_fmt_bytes(low)}"
+    return f"at least {format_bytes(low)}"
 
 
-def _fmt_bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
+    """``37.25 GiB (40000000000 bytes)``: the unit a person reads, and the exact figure."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
             return f"{n / size:.2f} {unit} ({n:.0f} bytes)"

@@ -1,0 +1,132 @@
+"""Rematerialization chosen by the search (issue 14, items 1-2): the jaxpr rewrite
+(``spmd.memory.remat``) keeps the step's numbers and XLA's memory drops; under a budget no
+sharding meets, auto recomputes the fewest layers that fit (``spmd.search.memory_fit``)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import spmd
+from spmd.memory.remat import (RECOMPUTE_ALL, REMAT_SCOPE, SAVE_DOTS, RematPlan, block_count,
+                               rematerialize)
+from spmd.runtime.compile import prepare
+from spmd.trace.graph import build_graph
+
+D, B, LAYERS = 256, 2048, 8
+
+
+def _loss(params, x, checkpoint=False):
+    block = lambda w, x: jnp.tanh(jnp.sin(x @ w) * 2.0)  # noqa: E731
+    if checkpoint:
+        block = jax.checkpoint(block)
+    for w in params:
+        x = block(w, x)
+    return jnp.mean(x ** 2)
+
+
+def _step(params, batch):
+    """A plain-JAX step with no jax.checkpoint in it."""
+    loss, grads = jax.value_and_grad(_loss)(params, batch["x"])
+    return [w - 0.1 * g for w, g in zip(params, grads)], loss
+
+
+def _args(concrete: bool):
+    if not concrete:
+        return ([jax.ShapeDtypeStruct((D, D), jnp.float32)] * LAYERS,
+                {"x": jax.ShapeDtypeStruct((B, D), jnp.float32)})
+    keys = jax.random.split(jax.random.key(0), LAYERS + 1)
+    params = [jax.random.normal(k, (D, D)) / np.sqrt(D) for k in keys[:-1]]
+    return params, {"x": jax.random.normal(keys[-1], (B, D))}
+
+
+def _compiled_bytes(fn, *args) -> int:
+    memory = jax.jit(fn).lower(*args).compile().memory_analysis()
+    return memory.argument_size_in_bytes + memory.temp_size_in_bytes
+
+
+def _run(closed):
+    return lambda *flat: jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *flat)
+
+
+def test_the_rewrite_keeps_the_numbers_and_xla_holds_less():
+    params, batch = _args(concrete=True)
+    flat = [*params, batch["x"]]
+    closed = jax.make_jaxpr(lambda *f: _step(list(f[:-1]), {"x": f[-1]}))(*flat)
+    graph = build_graph(closed)
+    assert block_count(graph) == LAYERS
+    want = jax.jit(_run(closed))(*flat)
+    plain = _compiled_bytes(_run(closed), *flat)
+    for policy in (SAVE_DOTS, RECOMPUTE_ALL):
+        rewritten = rematerialize(closed, RematPlan.first(LAYERS, LAYERS - 1, policy), graph)
+        assert any(REMAT_SCOPE in str(e.source_info.name_stack) for e in rewritten.jaxpr.eqns)
+        got = jax.jit(_run(rewritten))(*flat)
+        for a, b in zip(want, got):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+        # XLA (CPU too: the recomputation depends on a backward value, no barrier to undo)
+        # keeps the recomputed layers' inputs only
+        assert _compiled_bytes(_run(rewritten), *flat) < 0.85 * plain, policy
+
+
+def test_a_users_own_checkpoint_is_kept():
+    params, batch = _args(concrete=False)
+    flat = [*params, batch["x"]]
+
+    def step(*f):
+        loss, grads = jax.value_and_grad(_loss)(list(f[:-1]), f[-1], checkpoint=True)
+        return [w - 0.1 * g for w, g in zip(f[:-1], grads)], loss
+
+    closed = jax.make_jaxpr(step)(*flat)
+    graph = build_graph(closed)
+    rewritten = rematerialize(closed, RematPlan.first(block_count(graph), block_count(graph),
+                                                      RECOMPUTE_ALL), graph)
+    assert not any(REMAT_SCOPE in str(e.source_info.name_stack) for e in rewritten.jaxpr.eqns)
+
+
+def test_the_plan_round_trips_its_remat():
+    remat = RematPlan.first(4, 2, SAVE_DOTS)
+    assert RematPlan.from_dict(remat.to_dict()) == remat
+    assert remat.summary() == "save_dots on 2 of 4 layers"
+    with pytest.raises(ValueError, match="unknown policy 'everything'"):
+        RematPlan(1, ("everything",))
+
+
+def test_under_a_budget_no_sharding_meets_auto_recomputes_the_fewest_layers():
+    """cpu-8: the plain step's best plan needs P bytes per device; under 0.8 P no sharding
+    fits and auto recomputes some layers, not all; the compiled step fits the budget and
+    its loss and new parameters are a single device's."""
+    mesh = spmd.load_mesh("cpu-8")
+    params, batch = _args(concrete=False)
+    plain = spmd.plan(_step, params, batch, mesh=mesh, options=spmd.SearchOptions(cache=False))
+    assert plain.remat is None
+    budget = 0.8 * plain.prediction.memory_bytes
+    options = spmd.SearchOptions(cache=False, memory_budget=budget)
+    step = spmd.parallelize(_step, mesh=mesh, options=options)
+    params, batch = _args(concrete=True)
+    new_params, loss = step(params, batch)
+    plan = step.plan
+    assert plan.remat is not None
+    chosen = [p for p in plan.remat.policies if p is not None]
+    assert 0 < len(chosen) < LAYERS, plan.remat
+    assert plan.prediction.memory_bytes <= budget and plan.prediction.recompute_time > 0
+    probes = plan.search["remat_probes"]
+    fewer = RematPlan.first(LAYERS, len(chosen) - 1, chosen[0]).summary()
+    assert len(chosen) == 1 or any(q["remat"] == fewer and not q["fits"] for q in probes)
+    memory = spmd.analyze(prepare(plan).compile()).memory
+    assert memory.argument_bytes + memory.temp_bytes <= budget
+    want_params, want_loss = jax.jit(_step)(params, batch)
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
+    for a, b in zip(new_params, want_params):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    assert "rematerialized: " in plan.describe()
+
+
+def test_a_budget_not_even_full_remat_meets_names_the_least_memory():
+    mesh = spmd.load_mesh("cpu-8")
+    params, batch = _args(concrete=False)
+    with pytest.raises(spmd.InfeasibleError, match="even with every layer's activations "
+                       "recomputed.*recompute_all on 8 of 8 layers.*least peak memory"):
+        spmd.plan(_step, params, batch, mesh=mesh,
+                  options=spmd.SearchOptions(cache=False, memory_budget=100_000))
