@@ -159,6 +159,16 @@ def write_json(data: Any, path: Path) -> None:
     path.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
 
 
+def publish(data: dict, out_json: Path, md: Path | None, section: str,
+            render: Callable[[dict], str]) -> None:
+    """Write a run's JSON, its section of ``md`` (None: no markdown) and print the section."""
+    write_json(data, out_json)
+    text = render(data)
+    if md is not None:
+        replace_section(section, text, md)
+    print(text)
+
+
 def run_worker(work: Callable[[], dict], context: dict, result_path: Path | None) -> int:
     """Run one benchmark case in this (sub)process and hand its result to the driver as JSON;
     an exception becomes a recorded error, so one broken case never stops a run."""

@@ -3,7 +3,9 @@ memory prediction that matches XLA's", target +-15%).
 
 For each small zoo model on cpu-8, and for gpt-bench (bench/manual_plans.py's 4-layer GPT)
 on a virtual 8 x A100 mesh, auto and every applicable hand-written plan are planned and
-compiled (``spmd.analysis.verify.compare``, shapes only: nothing is materialized). Per plan:
+compiled (``spmd.analysis.verify.compare``, shapes only: nothing is materialized); then
+gpt-bench's auto plan again under 0.8 x its own predicted peak, where the search
+rematerializes layers (``REMAT_CASES``). Per plan:
 
 * predicted: ``Plan.prediction.memory_bytes`` (auto) or the hand-written plan's score
   (``Plan.alternatives``), the cost model's liveness peak;
@@ -47,20 +49,31 @@ DEVICES = 8  # every mesh below has 8 devices
 CASES = [(m, "cpu-8") for m in ("gpt-tiny", "mlp-tiny", "mlp-small", "moe-tiny",
                                  "wresnet-tiny")] + [("gpt-bench", "a100-8")]
 QUICK_CASES = [("gpt-tiny", "cpu-8"), ("mlp-tiny", "cpu-8")]
+#: (model, mesh) cases planned again under REMAT_BUDGET x the auto plan's predicted peak, a
+#: budget no sharding of theirs meets: the search rematerializes layers
+REMAT_CASES = [("gpt-bench", "cpu-8"), ("gpt-bench", "a100-8")]
+REMAT_BUDGET = 0.8
 
 
-def run_case(model: str, mesh_name: str) -> dict[str, Any]:
-    """One model on one mesh: every plan's predicted and compiled memory."""
+def _abstract(model: str, mesh_name: str):
+    """(ModelSpec, mesh, the step's abstract arguments) of one case (cpu-8: real devices)."""
     import jax
     from flax import nnx
 
     import spmd
-    from spmd.analysis import verify
 
     spec, batch_size, _ = get_model(model)
     mesh = spmd.load_mesh(mesh_name, virtual=mesh_name != "cpu-8")
-    args = (*nnx.eval_shape(spec.training_state),
-            jax.eval_shape(lambda: spec.batch(batch_size, 0)))
+    return spec, mesh, (*nnx.eval_shape(spec.training_state),
+                        jax.eval_shape(lambda: spec.batch(batch_size, 0)))
+
+
+def run_case(model: str, mesh_name: str) -> dict[str, Any]:
+    """One model on one mesh: every plan's predicted and compiled memory."""
+    import spmd
+    from spmd.analysis import verify
+
+    spec, mesh, args = _abstract(model, mesh_name)
     start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -73,6 +86,29 @@ def run_case(model: str, mesh_name: str) -> dict[str, Any]:
             rows.append(_row(method, score, measured))
     return {"model": model, "mesh": mesh_name, "seconds": time.perf_counter() - start,
             "rows": rows}
+
+
+def run_remat_case(model: str, mesh_name: str) -> dict[str, Any]:
+    """The auto plan under ``REMAT_BUDGET`` x its own predicted peak, compiled."""
+    import spmd
+    from spmd.runtime.compile import prepare
+
+    spec, mesh, args = _abstract(model, mesh_name)
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        options = spmd.SearchOptions(cache=False, compare=False)
+        plain = spmd.plan(spec.train_step, *args, mesh=mesh, options=options)
+        budget = REMAT_BUDGET * plain.prediction.memory_bytes
+        plan = spmd.plan(spec.train_step, *args, mesh=mesh,
+                         options=spmd.SearchOptions(cache=False, compare=False,
+                                                    memory_budget=budget))
+        hlo = spmd.analyze(prepare(plan).compile()).record(mesh)
+    name = f"auto under {REMAT_BUDGET:g}x: " + (plan.remat.summary() if plan.remat else "no remat")
+    row = _row(name, plan.prediction.to_dict(), hlo)
+    row["budget_bytes"] = budget
+    return {"model": model, "mesh": mesh_name, "seconds": time.perf_counter() - start,
+            "rows": [row]}
 
 
 def _row(method: str, prediction: dict[str, Any], hlo: dict[str, Any]) -> dict[str, Any]:
@@ -124,6 +160,12 @@ def render(data: dict[str, Any]) -> str:
         f"- Within +-{TARGET:.0%}: {inside} of {len(ratios)} plans; auto {sum(auto)} of "
         f"{len(auto)}; median ratio {statistics.median(x for *_, x, _ in ratios):.2f}.",
     ]
+    remat = [(case, r) for case in data["cases"] for r in case["rows"] if "budget_bytes" in r]
+    if remat:
+        lines.append("- Under a budget of 0.8x the plain auto plan's predicted peak: " + "; ".join(
+            f"{c['model']}@{c['mesh']} {r['plan'].split(': ', 1)[1]}, ratio {r['ratio']:.2f}, "
+            f"compiled {'within' if r['compiled_bytes'] <= r['budget_bytes'] else 'over'} "
+            f"the budget" for c, r in remat) + ".")
     if low:
         lines.append(f"- Under-predicted: {', '.join(low)}.")
     if high:
@@ -147,14 +189,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{model:12s} {mesh:7s} " + "  ".join(
             f"{r['plan']} {r['ratio']:.2f}" for r in case["rows"]), flush=True)
         cases.append(case)
+    for model, mesh in [] if args.quick else REMAT_CASES:
+        case = run_remat_case(model, mesh)
+        print(f"{model:12s} {mesh:7s} " + "  ".join(
+            f"{r['plan']} {r['ratio']:.2f}" for r in case["rows"]), flush=True)
+        cases.append(case)
     data = {"command": common.command_line("bench/memory.py",
                                            None if argv is None else ["memory.py", *argv]),
             "date": common.utc_date(), "machine": common.machine(),
             "total_s": time.perf_counter() - start, "cases": cases}
-    common.write_json(data, out_json)
-    if md is not None:
-        common.replace_section(SECTION, render(data), md)
-    print(render(data))
+    common.publish(data, out_json, md, SECTION, render)
     return 0
 
 

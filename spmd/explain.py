@@ -157,9 +157,11 @@ def _prediction_table(plan: "Plan"):
                       *[ms(pred.recompute_time)] * remat, ms(pred.comm_time),
                       ms(pred.total_time), f"{pred.collective_bytes / 2**20:.3f}",
                       f"{pred.memory_bytes / 2**20:.2f}", "")
-    if skipped:
-        table.caption = "\n".join(f"{', '.join(names)}: does not apply: {why}"
-                                   for why, names in skipped.items())
+    captions = [f"{', '.join(names)}: does not apply: {why}" for why, names in skipped.items()]
+    if plan.remat is not None and plan.remat.active and plan.alternatives:
+        captions.append("hand-written plans are priced on the step as written, without remat")
+    if captions:
+        table.caption = "\n".join(captions)
     return table
 
 

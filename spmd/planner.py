@@ -17,7 +17,7 @@ from typing import Any
 
 from spmd import cache
 from spmd.cluster.mesh import DeviceMesh
-from spmd.errors import InfeasibleError, PlanError, warn
+from spmd.errors import PlanError, warn
 from spmd.logical import user_pins
 from spmd.manual import DOES_NOT_APPLY, applicable_methods, manual_specs
 from spmd.options import SearchOptions
@@ -135,7 +135,7 @@ def plan_auto(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions,
         try:
             result = job.search(memory_budget=budget, time_limit=options.time_limit,
                                 solver=options.solver, warm_start=best[1] if best else None)
-        except InfeasibleError:
+        except PlanError:  # infeasible, or nothing found under the budget in the time limit
             result = None
     if result is None or result.prediction.memory_bytes > budget:
         with timings.phase("remat"):  # no sharding of the step as written fits

@@ -283,7 +283,10 @@ def rematerialize(closed_jaxpr, plan: RematPlan, graph: Graph | None = None):
             if not _backward(nodes[n]) or nodes[n].scan >= 0:
                 return args
             operands = nodes[n].operands
-            due = sorted({owner[v] for v in operands if v in owner and v not in copies})
+            # (a layer whose forward has not run yet, as in a second gradient of the same
+            # step, is not recomputed: its readers read what it kept)
+            due = sorted({owner[v] for v in operands if v in owner and v not in copies
+                          and all(m in seen for m in layers[owner[v]].recompute)})
             if not due:
                 return [copies.get(v, x) if v is not None else x for v, x in zip(operands, args)]
             # a backward value this op reads fences the recomputation to this point
