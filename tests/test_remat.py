@@ -4,6 +4,8 @@ sharding meets, auto recomputes the fewest layers that fit (``spmd.search.memory
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -143,11 +145,11 @@ def test_an_nnx_model_under_a_budget_recomputes_some_of_its_blocks():
                                            vocab_size=1024, seq_len=64)
     mesh = spmd.load_mesh("cpu-8")
     abstract = (*nnx.eval_shape(spec.training_state), spec.batch(16))
-    options = spmd.SearchOptions(cache=False, compare=False)
+    options = spmd.SearchOptions(cache=False, compare=False, time_limit=2.0)
     plain = spmd.plan(spec.train_step, *abstract, mesh=mesh, options=options)
     budget = 0.8 * plain.prediction.memory_bytes
-    step = spmd.parallelize(spec.train_step, mesh=mesh, options=spmd.SearchOptions(
-        cache=False, compare=False, memory_budget=budget))
+    step = spmd.parallelize(spec.train_step, mesh=mesh,
+                            options=dataclasses.replace(options, memory_budget=budget))
     model, opt = spec.training_state()
     want_model, want_opt = spec.training_state()
     batch = spec.batch(16)
