@@ -19,7 +19,6 @@ from typing import Any, Callable, Iterator, Sequence
 from jax.extend import core as jcore
 from jax.extend import source_info_util
 
-
 from spmd.trace.graph import SCAN, Path, inner_jaxpr
 
 __all__ = ["eval_jaxpr_with", "named_like"]
