@@ -53,6 +53,7 @@ def _fitted_manual(sig, graph, inputs, mesh, method: str, budget: float, layers:
     from spmd.memory.remat import RECOMPUTE_ALL, RematPlan, rematerialize
     from spmd.options import SearchOptions
     from spmd.search.intra_op import IntraOp
+    from spmd.search.memory_fit import fewest
     from spmd.trace.graph import build_graph
 
     specs = manual_specs(sig.leaves, method, mesh, [i.pinned for i in inputs])
@@ -68,15 +69,15 @@ def _fitted_manual(sig, graph, inputs, mesh, method: str, budget: float, layers:
     full = score(layers)
     if full.memory_bytes > budget:
         return {"method": method, "fits": False, "layers": layers, "prediction": full.to_dict()}
-    low, high, best = -1, layers, full
-    while high - low > 1:
-        mid = (low + high) // 2
-        p = score(mid)
-        if p.memory_bytes <= budget:
-            high, best = mid, p
-        else:
-            low = mid
-    return {"method": method, "fits": True, "layers": high, "prediction": best.to_dict()}
+    plain = score(0)
+    if plain.memory_bytes <= budget:
+        return {"method": method, "fits": True, "layers": 0, "prediction": plain.to_dict()}
+    def fitting(k: int):
+        p = score(k)
+        return p if p.memory_bytes <= budget else None
+
+    k, best = fewest(fitting, layers)
+    return {"method": method, "fits": True, "layers": k, "prediction": (best or full).to_dict()}
 
 
 def run() -> dict[str, Any]:

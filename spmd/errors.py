@@ -24,7 +24,12 @@ class PlanError(SpmdError):
 
 
 class InfeasibleError(PlanError):
-    """No plan fits the memory budget."""
+    """No plan fits the memory budget. ``least``: the least peak memory found, in words
+    (e.g. ``"44.01 KiB (45064 bytes)"``), where the solver could tell."""
+
+    def __init__(self, message: str, least: str | None = None):
+        super().__init__(message)
+        self.least = least
 
 
 class OptionsError(SpmdError):

@@ -49,6 +49,8 @@ class Plan:
     measured: dict | None = None
     remat: RematPlan | None = None
     signature: StepSignature | None = dataclasses.field(default=None, repr=False)
+    #: (signature, ClosedJaxpr) of ``program()`` once built: the planner hands over the
+    #: rewritten step it searched, so a fresh plan does not rewrite it again
     _program: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     # -- shardings -----------------------------------------------------------------------------

@@ -130,7 +130,7 @@ def plan_auto(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions,
             if best is None or scored.prediction.total_time < best[1].prediction.total_time:
                 best = (name, scored)
     budget = mesh.device.memory_bytes if options.memory_budget is None else options.memory_budget
-    base_job, remat, probes = job, None, None
+    base_job, remat, probes, program = job, None, None, None
     with timings.phase("search"):
         try:
             result = job.search(memory_budget=budget, time_limit=options.time_limit,
@@ -143,6 +143,7 @@ def plan_auto(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions,
                                     output_aliases=sig.output_aliases, budget=budget,
                                     options=options, lean=_leanest(baselines, scores))
         result, job, remat, probes = fitted.result, fitted.job, fitted.remat, fitted.probes
+        program = (sig, fitted.program)  # the plan runs what was searched: not rewritten again
     kept_manual = (best is not None
                    and best[1].prediction.total_time < result.prediction.total_time
                    and best[1].prediction.memory_bytes <= budget)
@@ -151,7 +152,7 @@ def plan_auto(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions,
         # that splits them by a hair; never return a slower plan.
         result = dataclasses.replace(best[1], solver=result.solver, stats=result.stats,
                                      constraints=base_job.constraints(best[1]))
-        remat = probes = None
+        remat = probes = program = None
     solver = result.solver
     if solver is not None and solver.timed_out:
         warn(f"the sharding search reached its time limit ({options.time_limit:g} s); using "
@@ -171,6 +172,6 @@ def plan_auto(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions,
     planned = Plan(method="auto", mesh=mesh, leaves=sig.leaves, input_specs=result.input_specs,
                    output_specs=list(result.output_specs), prediction=result.prediction,
                    search=stats, constraints=dict(result.constraints), alternatives=scores,
-                   remat=remat, signature=sig)
+                   remat=remat, signature=sig, _program=program)
     cache.save(planned, path)
     return planned

@@ -46,7 +46,7 @@ import jax
 
 from spmd.trace.graph import Graph, Path, Value, build_graph, inner_jaxpr
 from spmd.trace.interpret import eval_jaxpr_with, named_like
-from spmd.trace.layers import forward_ops, layer_of
+from spmd.trace.layers import forward_ops, is_backward, layer_of
 
 __all__ = ["POLICIES", "POLICY_MEANING", "RECOMPUTE_ALL", "REMAT_SCOPE", "SAVE_DOTS", "RematPlan", "block_count",
            "is_recomputed", "recomputable", "rematerialize"]
@@ -183,7 +183,7 @@ def _layers(graph: Graph, closed_jaxpr, plan: RematPlan) -> dict[int, _Layer]:
             for j in range(len(nodes[n].op.out_shapes)):
                 v = Value(n, j)
                 readers = [c for c in nodes[n].consumers
-                           if _backward(nodes[c]) and v in nodes[c].operands]
+                           if is_backward(nodes[c]) and v in nodes[c].operands]
                 if readers and all(backward_layer(c) == k for c in readers):
                     residuals.add(v)
         # what the residuals need, back to what the layer keeps
@@ -222,11 +222,6 @@ def _after(x, fence):
 def _numeric(x) -> bool:
     """An array ``_after`` can fence (not a typed PRNG key)."""
     return not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)
-
-
-def _backward(node) -> bool:
-    """An op of the backward pass (traced under ``transpose(...)``)."""
-    return node.kind == "op" and "transpose(" in node.name
 
 
 def recomputable(closed_jaxpr, graph: Graph, layers: int) -> bool:
@@ -280,7 +275,7 @@ def rematerialize(closed_jaxpr, plan: RematPlan, graph: Graph | None = None):
             if n in recomputed_nodes:
                 seen.setdefault(n, list(args))
                 return args
-            if not _backward(nodes[n]) or nodes[n].scan >= 0:
+            if not is_backward(nodes[n]) or nodes[n].scan >= 0:
                 return args
             operands = nodes[n].operands
             # (a layer whose forward has not run yet, as in a second gradient of the same
@@ -291,7 +286,7 @@ def rematerialize(closed_jaxpr, plan: RematPlan, graph: Graph | None = None):
                 return [copies.get(v, x) if v is not None else x for v, x in zip(operands, args)]
             # a backward value this op reads fences the recomputation to this point
             fence = next((x for v, x in zip(operands, args) if v is not None
-                          and v not in owner and _backward(nodes[v.node]) and _numeric(x)), None)
+                          and v not in owner and is_backward(nodes[v.node]) and _numeric(x)), None)
             for k in due:
                 recompute(k, fence)
             return [copies.get(v, x) if v is not None else x for v, x in zip(operands, args)]

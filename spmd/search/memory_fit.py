@@ -20,31 +20,54 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 from spmd.cluster.mesh import DeviceMesh
 from spmd.errors import InfeasibleError, PlanError
-from spmd.solver.driver import format_bytes
 from spmd.memory.remat import (POLICIES, RECOMPUTE_ALL, RematPlan, block_count, recomputable,
                                rematerialize)
 from spmd.options import SearchOptions
 from spmd.search.intra_op import AutoResult, InputInfo, IntraOp
 from spmd.sharding import Spec
+from spmd.solver.driver import format_bytes
 from spmd.trace.graph import Graph, build_graph
 
-__all__ = ["Fitted", "fit_with_remat"]
+__all__ = ["Fitted", "fewest", "fit_with_remat"]
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass
 class Fitted:
-    """The plan found with remat: its search result, the cost graph it was found on (of the
-    rewritten step: the constraints' keys name its equations), the remat, and every probe
-    (``{"remat", "fits", "peak_bytes", "seconds"}``) in the order run."""
+    """The plan found with remat: its search result, the rewritten step (``program``) and the
+    cost graph it was found on (the constraints' keys name its equations), the remat, and
+    every probe (``{"remat", "fits", "peak_bytes", "seconds"}``) in the order run."""
 
     result: AutoResult
     job: IntraOp
+    program: Any
     remat: RematPlan
     probes: list[dict]
+
+
+def fewest(fits: Callable[[int], T | None], known: int) -> tuple[int, T]:
+    """The least ``k`` in ``1..known`` for which ``fits(k)`` answers (not None), by binary
+    search, with that answer; ``fits(known)`` is taken to answer and ``fits(0)`` not (more
+    layers recomputed, less memory: monotone up to the search's own variance); the answer
+    is None when only ``known`` fits.
+
+    >>> fewest(lambda k: f"{k} layers" if k >= 3 else None, 8)
+    (3, '3 layers')
+    """
+    low, high, best = 0, known, None
+    while high - low > 1:
+        mid = (low + high) // 2
+        answer = fits(mid)
+        if answer is None:
+            low = mid
+        else:
+            high, best = mid, answer
+    return high, best
 
 
 def fit_with_remat(jaxpr, graph: Graph, inputs: Sequence[InputInfo], mesh: DeviceMesh, *,
@@ -69,8 +92,11 @@ def fit_with_remat(jaxpr, graph: Graph, inputs: Sequence[InputInfo], mesh: Devic
             f"choice is kept), or its layers run in a scan (give its body a jax.checkpoint "
             f"policy); use more devices, or a smaller batch")
     probes: list[dict] = []
+    least = ["not known: no plan was found in the time limit"]  # the last probe's, in words
 
-    def probe(remat: RematPlan) -> tuple[AutoResult, IntraOp] | InfeasibleError:
+    def probe(remat: RematPlan) -> Fitted | None:
+        """The plan of the step with ``remat`` under the budget, or None (``least`` says
+        how much the best attempt needed)."""
         start = time.perf_counter()
         rewritten = rematerialize(jaxpr, remat, graph)
         job = IntraOp(build_graph(rewritten), inputs, mesh, output_aliases=output_aliases,
@@ -88,13 +114,16 @@ def fit_with_remat(jaxpr, graph: Graph, inputs: Sequence[InputInfo], mesh: Devic
         try:
             result = job.search(memory_budget=budget, time_limit=options.time_limit,
                                 solver=options.solver, warm_start=warm)
-        except PlanError as err:  # infeasible, or no plan found in the time limit
+        except InfeasibleError as err:
             result = None
-            failure = err if isinstance(err, InfeasibleError) else InfeasibleError(str(err))
+            if err.least is not None:
+                least[0] = f"the least peak memory any assignment needs is {err.least}"
+        except PlanError:  # no plan found in the time limit
+            result = None
         if result is not None and result.prediction.memory_bytes > budget:
             # the program's liveness sets are an approximation of the prediction
-            failure = InfeasibleError(f"the least peak memory found is "
-                                      f"{format_bytes(result.prediction.memory_bytes)}")
+            least[0] = (f"the least peak memory found is "
+                        f"{format_bytes(result.prediction.memory_bytes)}")
             result = None
         if seed_fits and (result is None
                           or warm.prediction.total_time < result.prediction.total_time):
@@ -105,32 +134,17 @@ def fit_with_remat(jaxpr, graph: Graph, inputs: Sequence[InputInfo], mesh: Devic
         probes.append({"remat": remat.summary(), "fits": result is not None,
                        "peak_bytes": None if result is None else result.prediction.memory_bytes,
                        "seconds": time.perf_counter() - start})
-        if result is None:
-            return failure
-        return result, job
+        return None if result is None else Fitted(result, job, rewritten, remat, probes)
 
-    found = None
     for policy in POLICIES:
-        answer = probe(RematPlan.first(layers, layers, policy))
-        if not isinstance(answer, InfeasibleError):
-            found = policy, layers, answer
+        every = probe(RematPlan.first(layers, layers, policy))
+        if every is not None:
             break
-    if found is None:
-        least = str(answer).split("; rematerialize")[0]  # the solver's advice is taken
-        least = least[least.find("the least peak"):] if "the least peak" in least else least
+    else:
         raise InfeasibleError(
             f"no plan fits the memory budget of {format_bytes(budget)} per device, even with "
             f"every layer's activations recomputed in the backward pass "
-            f"({RematPlan.first(layers, layers, RECOMPUTE_ALL).summary()}): {least}; use more "
-            f"devices, or a smaller batch")
-    policy, k, best = found
-    low, high = 0, k  # fits with `high` layers; `low` or fewer do not (0: the plain step did not)
-    while high - low > 1:
-        mid = (low + high) // 2
-        answer = probe(RematPlan.first(layers, mid, policy))
-        if isinstance(answer, InfeasibleError):
-            low = mid
-        else:
-            high, best = mid, answer
-    result, job = best
-    return Fitted(result, job, RematPlan.first(layers, high, policy), probes)
+            f"({RematPlan.first(layers, layers, RECOMPUTE_ALL).summary()}): {least[0]}; use "
+            f"more devices, or a smaller batch")
+    _, best = fewest(lambda k: probe(RematPlan.first(layers, k, policy)), layers)
+    return best or every

@@ -235,7 +235,7 @@ def _explain_infeasible(r: SolverRequest, prob: Reduced, scaled: Scaled,
     raise InfeasibleError(
         f"no plan fits the memory budget of {format_bytes(r.memory_budget)} per device: the "
         f"least peak memory any assignment needs is {least}; rematerialize activations "
-        f"(jax.checkpoint), or use more devices")
+        f"(jax.checkpoint), or use more devices", least=least)
 
 
 def _least_peak(r: SolverRequest, prob: Reduced, scaled: Scaled, options: SolverOptions) -> str:

@@ -72,10 +72,7 @@ def eval_jaxpr_with(jaxpr, consts: Sequence[Any], args: Sequence[Any],
 def named_like(eqn, prefix: str | None = None) -> Iterator[None]:
     """Bind under ``eqn``'s own name stack (``prefix/`` before it), so a re-traced step keeps
     the names that tell its forward ops from its backward ones (``spmd.trace.layers``)."""
-    info = getattr(eqn, "source_info", None)
-    if info is None or not hasattr(source_info_util, "user_context"):
-        yield  # names are informational: a jax without the hook traces without them
-        return
+    info = eqn.source_info
     stack = info.name_stack
     if prefix:
         stack = source_info_util.new_name_stack(prefix) + stack

@@ -34,7 +34,7 @@ import numpy as np
 
 from spmd.trace.graph import Graph, Node, Value
 
-__all__ = ["forward_ops", "layer_of", "op_flops"]
+__all__ = ["forward_ops", "is_backward", "layer_of", "op_flops"]
 
 #: how far from the mean a layer's FLOPs may stray at first (doubled until a cut exists):
 #: 0.5 lets an unrolled GPT's last block carry its logits and loss (23% above the mean on
@@ -59,10 +59,15 @@ def op_flops(node: Node) -> float:
     return float(out)
 
 
+def is_backward(node: Node) -> bool:
+    """An op of the backward pass (traced under ``transpose(...)``)."""
+    return node.kind == "op" and "transpose(" in node.name
+
+
 def forward_ops(graph: Graph) -> list[int]:
     """The op nodes of the step's forward pass, in program order."""
     ops = [n for n in graph.nodes if n.kind == "op"]
-    fwd = [n.id for n in ops if n.name.startswith("jvp(") and "transpose(" not in n.name]
+    fwd = [n.id for n in ops if n.name.startswith("jvp(") and not is_backward(n)]
     return fwd or [n.id for n in ops]
 
 
