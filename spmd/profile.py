@@ -7,7 +7,8 @@ them. This module times, on every device of a mesh at once (as a training step u
   the largest of a few square shapes, and from the others the curve of rate by size (the
   smallest run batched, as attention's per-head matmuls do, so that their kernel is long
   enough to time); memory bandwidth (an elementwise op over a large buffer, bytes read plus
-  written); the bandwidth of a transpose (a square matrix copied transposed); a 3x3
+  written); the host link (a buffer copied to pinned host memory and back, each way's
+  bytes per second); the bandwidth of a transpose (a square matrix copied transposed); a 3x3
   convolution's FLOP/s beside the matmul's; and the per-kernel overhead (what one more
   kernel adds to a program: a chain of tiny dependent matmuls, each its own kernel, timed
   at two lengths);
@@ -106,6 +107,7 @@ class DeviceFigures:
     conv_rates: dict[str, float]  # dtype name -> FLOP/s of the 3x3 convolution
     memory_bandwidth: float  # bytes read + written per second
     transpose_bandwidth: float  # bytes read + written per second by a transpose
+    host_bandwidth: float  # bytes per second to or from pinned host memory, each way
     memory_bytes: int
     kernel_overhead: float  # seconds one more kernel adds to a program
     shapes: TimedShapes  # what was timed
@@ -163,6 +165,7 @@ class Profile:
             transpose_fraction=_round(min(
                 1.0, figures.transpose_bandwidth / figures.memory_bandwidth)),
             conv_fraction=_round(figures.conv_fraction()),
+            host_bandwidth=_round(figures.host_bandwidth),
             source=f"measured by spmd profile, {self.environment['date']}, jax "
                    f"{self.environment['jax']}")
         links = {axis: Link(_round(self.links[axis].bandwidth), _round(self.links[axis].latency))
@@ -201,6 +204,8 @@ class Profile:
             f"({shapes.batched_below} / side)^3 at once",
             f"memory bandwidth: an elementwise op over {_bytes(shapes.buffer)} per "
             f"device, bytes read + written",
+            f"host link: {_bytes(shapes.buffer)} per device copied to pinned host memory "
+            f"and back, {_rate(figures.host_bandwidth)}B/s each way",
             f"transpose: a {shapes.transpose_side}x{shapes.transpose_side} fp32 matrix, "
             f"{_rate(figures.transpose_bandwidth)}B/s read + written",
             f"convolution: 3x3, NHWC {'x'.join(map(str, shapes.conv_shape))} keeping its "
@@ -277,6 +282,7 @@ def profile_mesh(mesh: DeviceMesh, sizes: Sequence[int] | None = None, quick: bo
                    for dtype in ("bfloat16", "float32")},
             memory_bandwidth=timer.bandwidth(shapes.buffer),
             transpose_bandwidth=timer.transpose(shapes.transpose_side),
+            host_bandwidth=timer.host_link(shapes.buffer),
             conv_rates={dtype: timer.conv(shapes.conv_shape, dtype)
                         for dtype in ("bfloat16", "float32")},
             memory_bytes=int(stats.get("bytes_limit", mesh.device.memory_bytes)),
@@ -425,6 +431,25 @@ class _Timer:
         """Bytes read + written per second by an elementwise op per device."""
         seconds = self.loop(lambda y: y * 0.5 + 1.0, [((nbytes // 4,), "float32")])
         return _per_second(2.0 * nbytes, seconds, "memory bandwidth")
+
+    def host_link(self, nbytes: int) -> float:
+        """Bytes per second each device copies to pinned host memory or back (the median
+        round trip's, each way), every device at once: a host offload's link. Timed from
+        the host, as the copies are calls of their own (XLA:GPU's offload runs them as
+        asynchronous copies inside the step)."""
+        import jax
+
+        buffer = self._zeros((nbytes // 4,), "float32")
+        host = self.sharding.with_memory_kind("pinned_host")
+        device = self.sharding.with_memory_kind("device")
+        jax.block_until_ready(jax.device_put(jax.device_put(buffer, host), device))  # warm
+        trips = []
+        for _ in range(self.repeats):
+            start = time.perf_counter()
+            there = jax.block_until_ready(jax.device_put(buffer, host))
+            jax.block_until_ready(jax.device_put(there, device))
+            trips.append(time.perf_counter() - start)
+        return _per_second(2.0 * nbytes, statistics.median(trips), "host link bandwidth")
 
     def transpose(self, side: int) -> float:
         """Bytes read + written per second by a transpose of a square fp32 matrix per

@@ -24,6 +24,10 @@ BANDWIDTH_FRACTION = 0.71
 #: microseconds on recent CUDA, NVIDIA's CUDA C++ Best Practices Guide, "kernel launch
 #: overhead"). Not measured here: ``spmd profile`` on a GPU measures it.
 GPU_KERNEL_OVERHEAD = 4e-6
+#: Achieved / datasheet bandwidth of a copy between a GPU and pinned host memory: large
+#: pinned copies reach about 80% of a PCIe link's rate (NVIDIA's bandwidthTest, typical;
+#: 25-26 GB/s of PCIe 4.0 x16's 32). Not measured here: ``spmd profile`` on a GPU measures it.
+HOST_LINK_FRACTION = 0.8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +65,9 @@ class DeviceSpec:
     #: achieved FLOP/s of a convolution / of a matmul as large: convolutions run through
     #: other kernels (cuDNN, oneDNN/Eigen on CPU); 1.0 unless profiled
     conv_fraction: float = 1.0
+    #: bytes/s one device copies to or from pinned host memory, each way, as achieved (PCIe
+    #: or NVLink-C2C; a host offload's link); 0: not known, and nothing is offloaded
+    host_bandwidth: float = 0.0
 
     def peak_flops(self, dtype_name: str) -> float:
         """Peak FLOP/s for a compute dtype: 16-bit types run on tensor cores, the rest at fp32 rate."""
@@ -89,14 +96,16 @@ class DeviceSpec:
         return self.bandwidth * self.transpose_fraction
 
 
-def _gpu(name: str, bf16: float, fp32: float, memory: int, bandwidth: float,
+def _gpu(name: str, bf16: float, fp32: float, memory: int, bandwidth: float, host_link: float,
          sheet: str) -> DeviceSpec:
     return DeviceSpec(name, bf16, fp32, memory, bandwidth, MATMUL_FRACTION, BANDWIDTH_FRACTION,
                       GPU_KERNEL_OVERHEAD,
                       f"{sheet}; achievable: {MATMUL_FRACTION:.0%} of the matmul and "
                       f"{BANDWIDTH_FRACTION:.0%} of the bandwidth figures (as measured on an "
                       f"H200), {GPU_KERNEL_OVERHEAD * 1e6:.0f} us per kernel (typical CUDA "
-                      f"launch); run `spmd profile` on the devices to measure them")
+                      f"launch), {HOST_LINK_FRACTION:.0%} of the PCIe link to the host; run "
+                      f"`spmd profile` on the devices to measure them",
+                      host_bandwidth=host_link * HOST_LINK_FRACTION)
 
 
 # Sources: NVIDIA A100 datasheet (2021): 312 TFLOP/s bf16 dense, 156 TFLOP/s TF32 dense,
@@ -104,24 +113,30 @@ def _gpu(name: str, bf16: float, fp32: float, memory: int, bandwidth: float,
 # NVIDIA H100 SXM datasheet (2023): 989 TFLOP/s bf16 dense, 494.7 TFLOP/s TF32 dense (the
 # sheet's 989 is with sparsity), 80 GB at 3.35 TB/s.
 # NVIDIA H200 SXM datasheet (2024): H100's compute, 141 GB HBM3e at 4.8 TB/s.
+# Host links, from the same sheets: A100 PCIe Gen4 at 64 GB/s, H100 and H200 PCIe Gen5 at
+# 128 GB/s, both directions together (32 and 64 GB/s each way).
 # "cpu": one simulated XLA CPU device sharing a small host. Its figures keep the ratios that
 # `spmd profile --mesh cpu-8` measured on a 2-core host (2026-12-01, 8 devices at once: 9.2
 # GFLOP/s fp32 matmul, 4.0 GB/s memory, 1.0-1.4 GB/s links, 50-95 us latency; 0.3-1.5 us per
 # kernel on one device alone), scaled by 8 to the bundled meshes' 10 GB/s link (33 GB/s, 76
-# GFLOP/s, kept at 50), so that plans for cpu-8 weigh compute, memory traffic and the
+# GFLOP/s, kept at 50); its "host" memory is the same DRAM, a copy there moving 15 GB/s each
+# way (half the read + write bandwidth), so that plans for cpu-8 weigh compute, memory traffic and the
 # in-process copies that stand in for collectives as that host does. Profile your own host
 # for figures that predict its step times.
 KNOWN_DEVICES: dict[str, DeviceSpec] = {
     spec.name: spec
     for spec in (
-        _gpu("a100-40gb", 312e12, 156e12, 40 * 10**9, 1555e9, "NVIDIA A100 datasheet (2021)"),
-        _gpu("a100-80gb", 312e12, 156e12, 80 * 10**9, 2039e9, "NVIDIA A100 datasheet (2021)"),
-        _gpu("h100-80gb", 989e12, 494.7e12, 80 * 10**9, 3350e9,
+        _gpu("a100-40gb", 312e12, 156e12, 40 * 10**9, 1555e9, 32e9,
+             "NVIDIA A100 datasheet (2021)"),
+        _gpu("a100-80gb", 312e12, 156e12, 80 * 10**9, 2039e9, 32e9,
+             "NVIDIA A100 datasheet (2021)"),
+        _gpu("h100-80gb", 989e12, 494.7e12, 80 * 10**9, 3350e9, 64e9,
              "NVIDIA H100 SXM datasheet (2023)"),
-        _gpu("h200-141gb", 989e12, 494.7e12, 141 * 10**9, 4800e9,
+        _gpu("h200-141gb", 989e12, 494.7e12, 141 * 10**9, 4800e9, 64e9,
              "NVIDIA H200 SXM datasheet (2024)"),
         DeviceSpec("cpu", 50e9, 50e9, 2 * GIB, 30e9, 1.0, 1.0, 1e-6,
-                   "ratios of a 2-core host's cpu-8 profile, scaled to a 10 GB/s link"),
+                   "ratios of a 2-core host's cpu-8 profile, scaled to a 10 GB/s link",
+                   host_bandwidth=15e9),
     )
 }
 
@@ -173,6 +188,7 @@ def device_spec(value: str | Mapping[str, Any] | DeviceSpec, where: str = "devic
                 matmul_curve=_curve(fields.get("matmul_curve", ()), where),
                 transpose_fraction=float(fields.get("transpose_fraction", 1.0)),
                 conv_fraction=float(fields.get("conv_fraction", 1.0)),
+                host_bandwidth=float(fields.get("host_bandwidth", 0.0)),
             )
         except (TypeError, ValueError) as err:
             raise MeshError(f"{where}: device fields must be numbers: {err}") from None
