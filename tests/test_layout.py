@@ -20,7 +20,7 @@ LAYERS = [
     {"spmd.cost.time"},
     {"spmd.profile"},  # measured figures for a mesh file, fitted to the cost model's formulas
     {"spmd.solver"},  # self-contained: errors and options only
-    {"spmd.memory.liveness", "spmd.memory.remat"},
+    {"spmd.memory.liveness", "spmd.memory.remat", "spmd.memory.offload"},
     {"spmd.search.fusion", "spmd.search.layout", "spmd.search.costgraph", "spmd.search.encode",
      "spmd.search.predict", "spmd.search.intra_op", "spmd.search.regions",
      "spmd.search.memory_fit"},

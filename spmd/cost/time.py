@@ -116,6 +116,13 @@ class CostModel:
         ``conv`` (``DeviceSpec.flops``)."""
         return float(flops) / self.mesh.device.flops(np.dtype(dtype).name, matmul, conv)
 
+    def host_copy_time(self, nbytes: float) -> float:
+        """Seconds to copy ``nbytes`` between device and pinned host memory, one way, at the
+        device's ``host_bandwidth``; a device whose host link is not known (0) at its own
+        memory's copy rate (half the read + write bandwidth)."""
+        device = self.mesh.device
+        return float(nbytes) / (device.host_bandwidth or device.bandwidth / 2)
+
     def memory_time(self, nbytes: float, transpose: bool = False) -> float:
         """Seconds to read or write ``nbytes`` of device memory (the roofline's memory term);
         ``transpose``: by a kernel that reorders dimensions (``DeviceSpec.transpose_bandwidth``)."""

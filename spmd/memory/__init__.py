@@ -1,2 +1,3 @@
-"""Memory: which arrays are alive together (``liveness``). Rematerialization and host
-offload, which change what is live when, belong here."""
+"""Memory: which arrays are alive together (``liveness``), and what changes that: layers
+recomputed in the backward pass (``remat``) and optimizer state in host memory between
+steps (``offload``)."""

@@ -5,8 +5,8 @@ consumer (program order = jaxpr order, as XLA's buffer assignment roughly schedu
 step inputs live throughout unless an output aliases them (donated: they die at their last
 use, while their new value lives to the end); constants live throughout. This module knows
 nothing about strategies: callers hand it the bytes each value takes per device (under one
-plan, or under each strategy of its group), so rematerialization and offload, which change
-what is live when, change this module only. What a plan adds beside the values (resharded
+plan, or under each strategy of its group). Values in host memory (``spmd.memory.offload``)
+take no device memory and are left out. What a plan adds beside the values (resharded
 copies, collectives' buffers) it hands over as ``Buffer``s.
 
 >>> import jax, jax.numpy as jnp
@@ -56,10 +56,12 @@ class Liveness:
       full_bytes: each value's unsharded bytes, in the order of ``intervals``.
     """
 
-    def __init__(self, graph: Graph, donated: set[int], fused: frozenset[Value] = frozenset()):
+    def __init__(self, graph: Graph, donated: set[int], fused: frozenset[Value] = frozenset(),
+                 host: frozenset[Value] = frozenset()):
         """``donated``: input indices whose buffer an output reuses (aliased outputs);
         ``fused``: values that never reach memory, made and read inside one kernel (an
-        elementwise chain XLA fuses: Adam's bias-corrected moments inside the update)."""
+        elementwise chain XLA fuses: Adam's bias-corrected moments inside the update);
+        ``host``: values in host memory (offloaded state), left out."""
         self.graph = graph
         end_all = len(graph.nodes)
         last = graph.last_use()
@@ -67,7 +69,7 @@ class Liveness:
         for n in graph.nodes:
             for k in range(len(n.op.out_shapes)):
                 v = Value(n.id, k)
-                if graph.value_bytes(v) == 0:
+                if graph.value_bytes(v) == 0 or v in host:
                     continue
                 if n.kind == "input":
                     end = last[n.id] if n.input_index in donated else end_all

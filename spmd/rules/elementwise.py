@@ -62,3 +62,7 @@ def _broadcastable(shape: tuple[int, ...], out: tuple[int, ...]) -> bool:
 
 
 register(ELEMENTWISE, elementwise_strategies, follower=True)
+# a copy to another memory (host offload): each device copies its own piece, so any spec;
+# not a follower, as it is no part of its neighbours' kernel (priced by the cost graph at
+# the host link)
+register(("device_put",), elementwise_strategies)

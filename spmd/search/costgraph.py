@@ -61,6 +61,7 @@ from spmd.cluster.mesh import DeviceMesh
 from spmd.cost.time import CostModel
 from spmd.errors import PlanError
 from spmd.memory.liveness import Liveness
+from spmd.memory.offload import destination, host_values
 from spmd.search.fusion import fuse, never_in_memory
 from spmd.search.layout import transposed_operands
 from spmd.sharding import (Spec, all_specs, bytes_per_device, format_spec, is_valid, replicated,
@@ -209,7 +210,8 @@ class CostGraph:
         self._tie_layers(share_layers)
         self.charges = self._shared_latency()
         self.liveness = Liveness(graph, donated=set(self.aliases.values()),
-                                 fused=never_in_memory(graph, self.fusion))
+                                 fused=never_in_memory(graph, self.fusion),
+                                 host=host_values(graph))
         # Repeated layers repeat shapes and spec lists: prices are memoized on them.
         self._reshards: dict[tuple, tuple[float, tuple]] = {}
         self._matrices: dict[tuple, tuple[np.ndarray, tuple, tuple]] = {}
@@ -236,6 +238,11 @@ class CostGraph:
         longer), communication seconds, and the part of compute that is memory-bound."""
         if n.kind != "op":
             return np.zeros(len(ss)), np.zeros(len(ss)), np.zeros(len(ss))
+        if destination(n.op) is not None:  # a copy between host and device memory
+            moved = np.array([self.cost.host_copy_time(bytes_per_device(
+                n.op.out_shapes[0], n.op.out_dtypes[0], s.out_specs[0], self.mesh_shape))
+                for s in ss])
+            return moved, np.zeros(len(ss)), np.zeros(len(ss))
         dtype = op_dtype(n)
         conv = n.op.primitive == "conv_general_dilated"
         flop_time = np.array([self.cost.compute(s.flops, dtype, self._matmul_size(n, s), conv)

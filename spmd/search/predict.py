@@ -17,6 +17,7 @@ import numpy as np
 
 from spmd.cost.partitioner import COLLECTIVE_KINDS
 from spmd.memory.liveness import Buffer
+from spmd.memory.offload import destination
 from spmd.memory.remat import is_recomputed
 from spmd.search.costgraph import CostGraph
 from spmd.search.encode import Encoding
@@ -43,6 +44,8 @@ class Prediction:
       recompute_time: seconds of rematerialized forward work: the recomputed ops' FLOPs,
         memory-bound excess and launches (``spmd.memory.remat``; their collectives are in
         ``comm_time``).
+      transfer_time: seconds of copies between device and pinned host memory (offloaded
+        state, ``spmd.memory.offload``), at the device's host link, not overlapped.
       bubble_time: seconds pipeline stages wait (0 for a single stage).
       overlap_time: seconds of communication hidden behind compute (0 until collectives
         are scheduled).
@@ -58,13 +61,15 @@ class Prediction:
     recompute_time: float = 0.0
     bubble_time: float = 0.0
     overlap_time: float = 0.0
+    transfer_time: float = 0.0
 
     @property
     def total_time(self) -> float:
         """Seconds per step: compute (FLOPs, memory-bound excess, kernel launches),
-        communication, recompute and bubble, less overlap."""
+        communication, recompute, host transfers and bubble, less overlap."""
         return (self.compute_time + self.memory_time + self.launch_time + self.comm_time
-                + self.recompute_time + self.bubble_time - self.overlap_time)
+                + self.recompute_time + self.transfer_time + self.bubble_time
+                - self.overlap_time)
 
     @property
     def collective_bytes(self) -> float:
@@ -73,14 +78,15 @@ class Prediction:
     def scaled(self, factor: float) -> "Prediction":
         """Every time multiplied by ``factor`` (memory and collectives unchanged)."""
         times = ("compute_time", "comm_time", "objective", "memory_time", "launch_time",
-                 "recompute_time", "bubble_time", "overlap_time")
+                 "recompute_time", "bubble_time", "overlap_time", "transfer_time")
         return dataclasses.replace(self, **{k: getattr(self, k) * factor for k in times})
 
     def to_dict(self) -> dict:
         return {"compute_time": self.compute_time, "comm_time": self.comm_time,
                 "memory_time": self.memory_time, "launch_time": self.launch_time,
                 "recompute_time": self.recompute_time, "bubble_time": self.bubble_time,
-                "overlap_time": self.overlap_time, "total_time": self.total_time,
+                "overlap_time": self.overlap_time, "transfer_time": self.transfer_time,
+                "total_time": self.total_time,
                 "objective": self.objective, "memory_bytes": self.memory_bytes,
                 "collectives": {k: [int(c), float(b)] for k, (c, b) in self.collectives.items()}}
 
@@ -91,7 +97,7 @@ class Prediction:
                    float(d["objective"]), float(d.get("memory_time", 0.0)),
                    float(d.get("launch_time", 0.0)),
                    float(d.get("recompute_time", 0.0)), float(d.get("bubble_time", 0.0)),
-                   float(d.get("overlap_time", 0.0)))
+                   float(d.get("overlap_time", 0.0)), float(d.get("transfer_time", 0.0)))
 
 
 def predict(enc: Encoding, node_choice: Sequence[int]) -> Prediction:
@@ -99,7 +105,7 @@ def predict(enc: Encoding, node_choice: Sequence[int]) -> Prediction:
     cg: CostGraph = enc.cg
     graph = cg.graph
     partitioner = cg.cost.partitioner
-    compute = comm = memory = launch = tie_break = recompute = 0.0
+    compute = comm = memory = launch = tie_break = recompute = transfer = 0.0
     counts = {k: [0, 0.0] for k in COLLECTIVE_KINDS}
     combined_at: dict = {}  # (kind, axes) group XLA merged into one collective -> its last op
     # partial sums a reduction collective reads: (op, its combine group or None, bytes)
@@ -117,6 +123,8 @@ def predict(enc: Encoding, node_choice: Sequence[int]) -> Prediction:
             continue
         if is_recomputed(n.name):
             recompute += float(cg.compute[n.id][j])
+        elif destination(n.op) is not None:
+            transfer += float(cg.compute[n.id][j])
         else:
             compute += float(cg.compute[n.id][j])
             memory += float(cg.memory_bound[n.id][j])
@@ -168,8 +176,9 @@ def predict(enc: Encoding, node_choice: Sequence[int]) -> Prediction:
     extra += _partial_results(cg, strategy, partials, combined_at)
     return Prediction(compute - memory - launch, comm, live.peak(nbytes, extra),
                       {k: (c, b) for k, (c, b) in counts.items()},
-                      objective=compute + recompute + comm + tie_break, memory_time=memory,
-                      launch_time=launch, recompute_time=recompute)
+                      objective=compute + recompute + transfer + comm + tie_break,
+                      memory_time=memory, launch_time=launch, recompute_time=recompute,
+                      transfer_time=transfer)
 
 
 def _partial_results(cg: CostGraph, strategy: Sequence, partials: Sequence[tuple[int, Any, float]],
