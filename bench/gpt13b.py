@@ -1,5 +1,5 @@
 """The seed's case (issue 14, item 5): gpt-13b planned for 8 A100s (40 GB) by ``spmd plan``'s
-search, remat chosen by it, and the plan compiled on 8 simulated CPU devices with shapes only
+search, remat and host offload chosen by it, and the plan compiled on 8 simulated CPU devices with shapes only
 (nothing materialized) to check its memory against the budget and the prediction.
 
     python bench/gpt13b.py            # ~13 min on 2 cores (plan ~4.5, XLA:CPU compile ~9)
@@ -49,6 +49,8 @@ def run(compile_it: bool) -> dict[str, Any]:
         "budget_bytes": mesh.device.memory_bytes,
         "remat": plan.remat.to_dict() if plan.remat else None,
         "remat_summary": plan.remat.summary() if plan.remat else "none",
+        "offload_summary": (plan.offload.summary(plan.leaves) if plan.offload else "none"),
+        "memory_notes": plan.search.get("memory_notes") or [],
         "probes": plan.search.get("remat_probes"),
         "prediction": plan.prediction.to_dict(),
         "tokens_per_step": spec.items_per_batch(spec.default_batch_size),
@@ -73,6 +75,7 @@ def render(data: dict[str, Any]) -> str:
     rows = [["predicted peak", f"{p['memory_bytes'] / gib:.2f} GiB"],
             ["budget (the device's memory)", f"{budget / gib:.2f} GiB"],
             ["rematerialized", data["remat_summary"]],
+            ["offloaded to host memory", data.get("offload_summary", "none")],
             ["predicted step", f"{p['total_time'] * 1e3:.0f} ms, {tokens:,.0f} tokens/s"],
             ["of it recompute", f"{p['recompute_time'] * 1e3:.0f} ms "
                                 f"({p['recompute_time'] / p['total_time']:.0%})"],
@@ -93,8 +96,8 @@ def render(data: dict[str, Any]) -> str:
     notes = ["XLA:CPU stands in for XLA:GPU in the compile (no GPU was lent to this run). It "
              "emits no reduce-scatter (a gradient is all-reduced whole, then sliced), so its "
              "temporaries are not XLA:GPU's, and the prediction is for the GPU mesh; the "
-             "compile on a GPU was not run."]
-    probes = [[q["remat"], "yes" if q["fits"] else "no",
+             "compile on a GPU was not run.", *data.get("memory_notes", [])]
+    probes = [[q["remat"], q.get("offload", "none"), "yes" if q["fits"] else "no",
                "" if q["peak_bytes"] is None else f"{q['peak_bytes'] / gib:.2f}",
                f"{q['seconds']:.0f}"] for q in data["probes"] or []]
     lines = [f"Command: `{data['command']}`", "",
@@ -102,10 +105,10 @@ def render(data: dict[str, Any]) -> str:
              common.markdown_table(["", "gpt-13b, global batch 8 x 1024 tokens, fp32"], rows,
                                    ["l", "l"]), "", *notes, ""]
     if probes:
-        lines += ["The searches the remat choice ran, in order (each a full sharding search "
+        lines += ["The searches the memory fit ran, in order (each a full sharding search "
                   "of the rewritten step under the budget):", "",
-                  common.markdown_table(["remat", "fits", "predicted GiB", "seconds"], probes,
-                                        ["l", "l", "r", "r"]), ""]
+                  common.markdown_table(["remat", "offload", "fits", "predicted GiB",
+                                         "seconds"], probes, ["l", "l", "l", "r", "r"]), ""]
     return "\n".join(lines)
 
 

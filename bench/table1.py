@@ -115,6 +115,9 @@ def run() -> dict[str, Any]:
             "peak_flops": mesh.device.peak_flops("float32"),
             "auto": {"prediction": auto.prediction.to_dict(),
                      "remat": auto.remat.summary() if auto.remat else "none",
+                     "offload": (auto.offload.summary(auto.leaves) if auto.offload
+                                 else "no offload"),
+                     "notes": auto.search.get("memory_notes") or [],
                      "seconds": auto_seconds},
             "data_parallel": manual}
 
@@ -143,7 +146,8 @@ def render(data: dict[str, Any]) -> str:
         rows.append(["data parallel", "none fits", "", "", "", "", *seed("data parallel")])
     rows.append(["+ operator fusion", "not applicable: XLA fuses by default, and the cost "
                  "model prices fused kernels", "", "", "", "", *seed("+ operator fusion")])
-    rows.append(["+ AutoParallel", f"auto (sharding + {data['auto']['remat']})",
+    rows.append(["+ AutoParallel", f"auto (sharding + {data['auto']['remat']}; "
+                 f"{data['auto'].get('offload', 'no offload')})",
                  *cells(data["auto"]["prediction"]), *seed("+ AutoParallel")])
     rows.append(["+ communication overlap", "left for collective scheduling", "", "", "", "",
                  *seed("+ communication overlap")])
@@ -166,7 +170,8 @@ def render(data: dict[str, Any]) -> str:
              f"Hand-written data-parallel plans with remat: {others}.", "",
              "The seed's model and precision are not stated beyond '13B'; its figures are "
              "beside spmd's, not the same run. MFU counts 3x the forward FLOPs (recompute "
-             "not counted) against the devices' fp32 (TF32) peak.", ""]
+             "not counted) against the devices' fp32 (TF32) peak.", "",
+             *[f"Auto: {note}." for note in data["auto"].get("notes", [])], ""]
     return "\n".join(lines)
 
 

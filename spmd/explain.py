@@ -31,6 +31,10 @@ def describe(plan: "Plan", max_rows: int | None = 60) -> str:
                                                     for k, v in sorted(totals.items())))
     if plan.remat is not None and plan.remat.active:
         console.print(_remat_line(plan))
+    if plan.offload is not None and plan.offload.active:
+        console.print(_offload_line(plan))
+    for note in (plan.search or {}).get("memory_notes") or ():
+        console.print(note)
     if plan.search:
         summary = solver_summary(plan.search)  # the raw counters stay in the plan's JSON
         if summary:
@@ -110,6 +114,19 @@ def _remat_line(plan: "Plan") -> str:
     return line
 
 
+def _offload_line(plan: "Plan") -> str:
+    """What lives in host memory between steps, and what moving it costs."""
+    moved = plan.offload
+    held = sum(bytes_per_device(plan.leaves[i].shape, plan.leaves[i].dtype,
+                                plan.input_specs[i], plan.mesh.shape) for i in moved.inputs)
+    line = (f"offloaded: {moved.summary(plan.leaves)}, {held / 2**20:.2f} MiB per device, "
+            f"copied to the device for the update and back")
+    if plan.prediction is not None:
+        line += (f", {plan.prediction.transfer_time * 1e3:.3f} ms of copies per step over "
+                 f"the {plan.mesh.device.host_bandwidth / 1e9:.4g} GB/s host link")
+    return line
+
+
 def solver_summary(search: dict) -> str | None:
     """How good the search's plan is: the objective against the proven lower bound."""
     s = search or {}
@@ -134,12 +151,14 @@ def _prediction_table(plan: "Plan"):
     table = Table(title="predicted cost per step (cost model)", caption_justify="left")
     entries = ([(f"{plan.method} (this plan)", plan.prediction)] if plan.prediction else [])
     entries += list(plan.alternatives.items())
-    # a recompute column only where some plan rematerializes
+    # a recompute (host copies) column only where some plan rematerializes (offloads)
     remat = any(not isinstance(p, str) and p is not None and p.recompute_time
                 for _, p in entries)
+    moves = any(not isinstance(p, str) and p is not None and p.transfer_time
+                for _, p in entries)
     columns = ["plan", "compute ms", "memory-bound ms", "launch ms"]
-    columns += ["recompute ms"] * remat + ["comm ms", "total ms", "collective MiB",
-                                            "memory MiB", "note"]
+    columns += ["recompute ms"] * remat + ["host copies ms"] * moves + [
+        "comm ms", "total ms", "collective MiB", "memory MiB", "note"]
     for col in columns:
         table.add_column(col, justify="left" if col in ("plan", "note") else "right",
                          no_wrap=col == "plan")
@@ -154,12 +173,14 @@ def _prediction_table(plan: "Plan"):
             continue
         ms = lambda t: f"{t * 1e3:.3f}"  # noqa: E731
         table.add_row(name, ms(pred.compute_time), ms(pred.memory_time), ms(pred.launch_time),
-                      *[ms(pred.recompute_time)] * remat, ms(pred.comm_time),
+                      *[ms(pred.recompute_time)] * remat, *[ms(pred.transfer_time)] * moves,
+                      ms(pred.comm_time),
                       ms(pred.total_time), f"{pred.collective_bytes / 2**20:.3f}",
                       f"{pred.memory_bytes / 2**20:.2f}", "")
     captions = [f"{', '.join(names)}: does not apply: {why}" for why, names in skipped.items()]
-    if plan.remat is not None and plan.remat.active and plan.alternatives:
-        captions.append("hand-written plans are priced on the step as written, without remat")
+    if plan.rewritten and plan.alternatives:
+        captions.append("hand-written plans are priced on the step as written, without remat "
+                        "or offload")
     if captions:
         table.caption = "\n".join(captions)
     return table

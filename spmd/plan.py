@@ -14,6 +14,7 @@ import numpy as np
 
 from spmd.cluster.mesh import DeviceMesh
 from spmd.explain import describe as explain
+from spmd.memory.offload import HOST_MEMORY_KIND, OffloadPlan, offload
 from spmd.memory.remat import RematPlan, rematerialize
 from spmd.search.predict import Prediction
 from spmd.sharding import Spec, bytes_per_device, spec_from_json, spec_to_json, to_partition_spec
@@ -32,8 +33,9 @@ class Plan:
     (None: left to XLA). ``prediction`` is the cost model's view (``Prediction``),
     ``alternatives`` the same for each hand-written plan (or why it was not scored),
     ``measured`` what the compiled HLO showed (see :meth:`attach_measured`). ``remat`` is
-    which layers recompute what in the backward pass (``spmd.memory.remat``; None: none).
-    ``signature`` is the traced step the plan belongs to (None for a plan loaded from JSON
+    which layers recompute what in the backward pass (``spmd.memory.remat``; None: none),
+    ``offload`` which inputs live in pinned host memory between steps
+    (``spmd.memory.offload``; None: none). ``signature`` is the traced step the plan belongs to (None for a plan loaded from JSON
     until ``spmd.plan`` binds it).
     """
 
@@ -48,6 +50,7 @@ class Plan:
     alternatives: dict[str, Prediction | str] = dataclasses.field(default_factory=dict)
     measured: dict | None = None
     remat: RematPlan | None = None
+    offload: OffloadPlan | None = None
     signature: StepSignature | None = dataclasses.field(default=None, repr=False)
     #: (signature, ClosedJaxpr) of ``program()`` once built: the planner hands over the
     #: rewritten step it searched, so a fresh plan does not rewrite it again
@@ -55,17 +58,30 @@ class Plan:
 
     # -- shardings -----------------------------------------------------------------------------
     def input_shardings_flat(self) -> list:
+        """Per flat input its NamedSharding; an offloaded one in pinned host memory."""
         from jax.sharding import NamedSharding
 
         mesh = self.mesh.sharding_mesh()
-        return [NamedSharding(mesh, to_partition_spec(s)) for s in self.input_specs]
+        host = self._host_inputs()
+        return [NamedSharding(mesh, to_partition_spec(s),
+                              memory_kind=HOST_MEMORY_KIND if i in host else None)
+                for i, s in enumerate(self.input_specs)]
 
     def output_shardings_flat(self) -> list:
+        """Per flat output its NamedSharding (None: left to XLA); the new value of an
+        offloaded input in pinned host memory."""
         from jax.sharding import NamedSharding
 
         mesh = self.mesh.sharding_mesh()
-        return [None if s is None else NamedSharding(mesh, to_partition_spec(s))
-                for s in self.output_specs]
+        host = self._host_inputs()
+        aliases = self.bound_signature().output_aliases if host else {}
+        return [None if s is None else NamedSharding(
+                    mesh, to_partition_spec(s),
+                    memory_kind=HOST_MEMORY_KIND if aliases.get(o) in host else None)
+                for o, s in enumerate(self.output_specs)]
+
+    def _host_inputs(self) -> set[int]:
+        return set(self.offload.inputs) if self.offload is not None else set()
 
     @property
     def in_shardings(self) -> tuple:
@@ -84,13 +100,24 @@ class Plan:
 
     def program(self):
         """The ClosedJaxpr this plan runs: the step's, with ``remat``'s recomputation written
-        into its backward pass (the constraints' keys name its equations)."""
+        into its backward pass and ``offload``'s copies between host and device (the
+        constraints' keys name its equations)."""
         sig = self.bound_signature()
-        if self.remat is None or not self.remat.active:
+        remat = self.remat is not None and self.remat.active
+        offloaded = self.offload is not None and self.offload.active
+        if not (remat or offloaded):
             return sig.jaxpr
         if self._program is None or self._program[0] is not sig:
-            self._program = (sig, rematerialize(sig.jaxpr, self.remat))
+            program = rematerialize(sig.jaxpr, self.remat) if remat else sig.jaxpr
+            if offloaded:
+                program = offload(program, self.offload, sig.output_aliases)
+            self._program = (sig, program)
         return self._program[1]
+
+    @property
+    def rewritten(self) -> bool:
+        """Whether ``program()`` differs from the step as traced (remat or offload)."""
+        return any(p is not None and p.active for p in (self.remat, self.offload))
 
     # -- numbers -------------------------------------------------------------------------------
     def bytes_by_kind(self) -> dict[str, int]:
@@ -130,6 +157,7 @@ class Plan:
                              for k, v in self.alternatives.items()},
             "measured": self.measured,
             "remat": None if self.remat is None else self.remat.to_dict(),
+            "offload": None if self.offload is None else self.offload.to_dict(),
         }
 
     def save(self, path: str | Path) -> None:
@@ -153,6 +181,7 @@ class Plan:
                           for k, v in raw.get("alternatives", {}).items()},
             measured=raw.get("measured"),
             remat=RematPlan.from_dict(raw["remat"]) if raw.get("remat") else None,
+            offload=OffloadPlan.from_dict(raw["offload"]) if raw.get("offload") else None,
         )
 
     @classmethod

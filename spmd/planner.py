@@ -6,7 +6,8 @@ scored on it with its inputs pinned, the best one warm-starts the search, and if
 ends predicted slower than that plan (its simplifications can exclude it), the plan is
 returned instead, so auto is never predicted slower than the best of them. When no sharding
 of the step as written fits the memory budget, layers are rematerialized, the fewest that
-fit (``spmd.search.memory_fit``). Every phase's
+fit, or the optimizer state is offloaded to host memory where that is faster
+(``spmd.search.memory_fit``). Every phase's
 seconds are recorded in ``Plan.search["timings"]``; plans are cached (``spmd.cache``).
 """
 
@@ -23,7 +24,7 @@ from spmd.manual import DOES_NOT_APPLY, applicable_methods, manual_specs
 from spmd.options import SearchOptions
 from spmd.plan import Plan
 from spmd.search.intra_op import AutoResult, InputInfo, IntraOp, score_result
-from spmd.search.memory_fit import fit_with_remat
+from spmd.search.memory_fit import fit_memory
 from spmd.sharding import Spec
 from spmd.timing import Stopwatch
 from spmd.trace.graph import Graph, build_graph
@@ -130,7 +131,7 @@ def plan_auto(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions,
             if best is None or scored.prediction.total_time < best[1].prediction.total_time:
                 best = (name, scored)
     budget = mesh.device.memory_bytes if options.memory_budget is None else options.memory_budget
-    base_job, remat, probes, program = job, None, None, None
+    base_job, remat, moved, probes, notes, program = job, None, None, None, None, None
     with timings.phase("search"):
         try:
             result = job.search(memory_budget=budget, time_limit=options.time_limit,
@@ -139,10 +140,11 @@ def plan_auto(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions,
             result = None
     if result is None or result.prediction.memory_bytes > budget:
         with timings.phase("remat"):  # no sharding of the step as written fits
-            fitted = fit_with_remat(sig.jaxpr, graph, inputs, mesh,
-                                    output_aliases=sig.output_aliases, budget=budget,
-                                    options=options, lean=_leanest(baselines, scores))
-        result, job, remat, probes = fitted.result, fitted.job, fitted.remat, fitted.probes
+            fitted = fit_memory(sig.jaxpr, graph, inputs, mesh, leaves=sig.leaves,
+                                output_aliases=sig.output_aliases, budget=budget,
+                                options=options, lean=_leanest(baselines, scores))
+        result, job, probes, notes = fitted.result, fitted.job, fitted.probes, fitted.notes
+        remat, moved = fitted.remat, fitted.offload
         program = (sig, fitted.program)  # the plan runs what was searched: not rewritten again
     kept_manual = (best is not None
                    and best[1].prediction.total_time < result.prediction.total_time
@@ -152,7 +154,7 @@ def plan_auto(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions,
         # that splits them by a hair; never return a slower plan.
         result = dataclasses.replace(best[1], solver=result.solver, stats=result.stats,
                                      constraints=base_job.constraints(best[1]))
-        remat = probes = program = None
+        remat = moved = probes = notes = program = None
     solver = result.solver
     if solver is not None and solver.timed_out:
         warn(f"the sharding search reached its time limit ({options.time_limit:g} s); using "
@@ -168,10 +170,11 @@ def plan_auto(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions,
     stats["warm_start_from"] = best[0] if best else None
     stats["kept_hand_written"] = best[0] if kept_manual else None
     stats["remat_probes"] = probes
+    stats["memory_notes"] = notes
     stats["timings"] = timings.as_dict()  # the planning phases; "phases": the search's own
     planned = Plan(method="auto", mesh=mesh, leaves=sig.leaves, input_specs=result.input_specs,
                    output_specs=list(result.output_specs), prediction=result.prediction,
                    search=stats, constraints=dict(result.constraints), alternatives=scores,
-                   remat=remat, signature=sig, _program=program)
+                   remat=remat, offload=moved, signature=sig, _program=program)
     cache.save(planned, path)
     return planned

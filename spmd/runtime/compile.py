@@ -64,7 +64,7 @@ def prepare(plan: Plan, donate: bool | None = None,
     donate = donate if donate is not None else sig.graphdef is not None
     donated = tuple(sorted(set(sig.output_aliases.values()))) if donate else ()
     fn = sig.flat_fn
-    if plan.constraints or plan.remat is not None:
+    if plan.constraints or plan.rewritten:
         run = constrained(plan.program(), plan.constraints, plan.mesh.sharding_mesh())
         fn = lambda *flat: tuple(run(*flat))  # noqa: E731 (jit wants a tuple)
     shardings = plan.input_shardings_flat()

@@ -1,5 +1,5 @@
-"""Fitting a plan under the memory budget by rematerialization: a layer-level search around
-the integer program.
+"""Fitting a plan under the memory budget by rematerialization and host offload: a search
+around the integer program.
 
 When no sharding of the step as written fits the budget, layers are rematerialized
 (``spmd.memory.remat``): for each policy, least recompute first (``POLICIES``), the step with
@@ -8,6 +8,13 @@ over how many layers (the first ``k``: their activations are kept longest) finds
 that fit. Each probe is a full sharding search of the rewritten step under the budget, so the
 sharding is chosen jointly with the remat it runs with: recomputed ops are priced, split and
 resharded like any other, and their memory is the rewritten program's liveness.
+
+Host offload (``spmd.memory.offload``: the optimizer state in pinned host memory between
+steps) is the other lever, where the device has a host link (``DeviceSpec.host_bandwidth``).
+It is searched the same way, the offloaded step first without remat and then with the
+fewest layers recomputed, and the faster of the two plans is kept. It is not tried when its
+copies alone (the state in and out once, at the least bytes per device a sharding can give
+it) take longer than the recompute it could save: that is said in the plan's notes.
 
 Why a search around the integer program rather than inside it: a layer's activation bytes
 depend on the strategies chosen for its ops (a Megatron split holds a quarter of them), so a
@@ -24,30 +31,36 @@ from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 from spmd.cluster.mesh import DeviceMesh
 from spmd.errors import InfeasibleError, PlanError
+from spmd.memory.offload import OffloadPlan, offload, offloadable
 from spmd.memory.remat import (POLICIES, RECOMPUTE_ALL, RematPlan, block_count, recomputable,
                                rematerialize)
 from spmd.options import SearchOptions
 from spmd.search.intra_op import AutoResult, InputInfo, IntraOp
 from spmd.sharding import Spec
 from spmd.solver.driver import format_bytes
-from spmd.trace.graph import Graph, build_graph
+from spmd.trace.graph import Graph, array_bytes, build_graph
+from spmd.trace.signature import Leaf
 
-__all__ = ["Fitted", "fewest", "fit_with_remat"]
+__all__ = ["Fitted", "fewest", "fit_memory"]
 
 T = TypeVar("T")
 
 
 @dataclasses.dataclass
 class Fitted:
-    """The plan found with remat: its search result, the rewritten step (``program``) and the
-    cost graph it was found on (the constraints' keys name its equations), the remat, and
-    every probe (``{"remat", "fits", "peak_bytes", "seconds"}``) in the order run."""
+    """The plan found with remat and offload: its search result, the rewritten step
+    (``program``) and the cost graph it was found on (the constraints' keys name its
+    equations), the remat and offload (None: none), every probe (``{"remat", "offload",
+    "fits", "peak_bytes", "seconds"}``) in the order run, and ``notes`` on what was not tried
+    and why."""
 
     result: AutoResult
     job: IntraOp
     program: Any
-    remat: RematPlan
+    remat: RematPlan | None
+    offload: OffloadPlan | None
     probes: list[dict]
+    notes: list[str] = dataclasses.field(default_factory=list)
 
 
 def fewest(fits: Callable[[int], T | None], known: int) -> tuple[int, T]:
@@ -70,35 +83,41 @@ def fewest(fits: Callable[[int], T | None], known: int) -> tuple[int, T]:
     return high, best
 
 
-def fit_with_remat(jaxpr, graph: Graph, inputs: Sequence[InputInfo], mesh: DeviceMesh, *,
-                   output_aliases: Mapping[int, int], budget: float, options: SearchOptions,
-                   lean: Sequence[Sequence[Spec]] = ()) -> Fitted:
-    """The fewest layers recomputed, and how, for a plan of ``jaxpr`` (its op graph
-    ``graph``) within ``budget`` bytes per device (module docstring). ``lean``: the input
-    specs of the hand-written plans that need the least memory, leanest first: on each
-    rewritten step they are scored until one fits, which seeds its search (under a tight
-    budget the solver's own seeds may all be over it, and CP-SAT alone found no plan for
-    gpt-13b on 8 A100s in 20 s).
+def fit_memory(jaxpr, graph: Graph, inputs: Sequence[InputInfo], mesh: DeviceMesh, *,
+               leaves: Sequence[Leaf], output_aliases: Mapping[int, int], budget: float,
+               options: SearchOptions, lean: Sequence[Sequence[Spec]] = ()) -> Fitted:
+    """The fastest plan of ``jaxpr`` (its op graph ``graph``, its flat inputs ``leaves``)
+    within ``budget`` bytes per device with the fewest layers recomputed, the optimizer state
+    offloaded or not (module docstring). ``lean``: the input specs of the hand-written plans
+    that need the least memory, leanest first: on each rewritten step they are scored until
+    one fits, which seeds its search (under a tight budget the solver's own seeds may all be
+    over it, and CP-SAT alone found no plan for gpt-13b on 8 A100s in 20 s).
 
     Raises:
-      InfeasibleError: not even every layer recomputed (``RECOMPUTE_ALL``) fits; the message
-        gives the least peak memory then.
+      InfeasibleError: not even every layer recomputed (``RECOMPUTE_ALL``) with the
+        optimizer state offloaded fits; the message gives the least peak memory then.
     """
     layers = block_count(graph)
-    if not recomputable(jaxpr, graph, layers):
+    remat_ok = recomputable(jaxpr, graph, layers)
+    host = (offloadable(leaves, output_aliases) if mesh.device.host_bandwidth > 0
+            else OffloadPlan(()))
+    if not remat_ok and not host.active:
         raise InfeasibleError(
             f"no plan fits the memory budget of {format_bytes(budget)} per device, and spmd "
             f"adds no rematerialization to this step: it calls jax.checkpoint itself (that "
             f"choice is kept), or its layers run in a scan (give its body a jax.checkpoint "
             f"policy); use more devices, or a smaller batch")
     probes: list[dict] = []
+    notes: list[str] = []
     least = ["not known: no plan was found in the time limit"]  # the last probe's, in words
 
-    def probe(remat: RematPlan) -> Fitted | None:
-        """The plan of the step with ``remat`` under the budget, or None (``least`` says
-        how much the best attempt needed)."""
+    def probe(remat: RematPlan | None, moved: OffloadPlan | None) -> Fitted | None:
+        """The plan of the step with ``remat`` and ``moved`` under the budget, or None
+        (``least`` says how much the best attempt needed)."""
         start = time.perf_counter()
-        rewritten = rematerialize(jaxpr, remat, graph)
+        rewritten = rematerialize(jaxpr, remat, graph) if remat is not None else jaxpr
+        if moved is not None:
+            rewritten = offload(rewritten, moved, output_aliases)
         job = IntraOp(build_graph(rewritten), inputs, mesh, output_aliases=output_aliases,
                       required=[(i.shape, s) for specs in lean for i, s in zip(inputs, specs)])
         warm = None
@@ -131,20 +150,52 @@ def fit_with_remat(jaxpr, graph: Graph, inputs: Sequence[InputInfo], mesh: Devic
             # repair of the seed, which keeps small inputs replicated, went over), or
             # nothing faster: keep it.
             result = dataclasses.replace(warm, constraints=job.constraints(warm))
-        probes.append({"remat": remat.summary(), "fits": result is not None,
+        probes.append({"remat": remat.summary() if remat is not None else "none",
+                       "offload": moved.summary(leaves) if moved is not None else "none",
+                       "fits": result is not None,
                        "peak_bytes": None if result is None else result.prediction.memory_bytes,
                        "seconds": time.perf_counter() - start})
-        return None if result is None else Fitted(result, job, rewritten, remat, probes)
+        return None if result is None else Fitted(result, job, rewritten, remat, moved, probes,
+                                                  notes)
 
-    for policy in POLICIES:
-        every = probe(RematPlan.first(layers, layers, policy))
-        if every is not None:
-            break
-    else:
+    def fewest_layers(moved: OffloadPlan | None) -> Fitted | None:
+        """The plan with the fewest layers recomputed (none, where the offloaded step fits
+        without), or None."""
+        if moved is not None and (plain := probe(None, moved)) is not None:
+            return plain
+        if not remat_ok:
+            return None
+        for policy in POLICIES:
+            every = probe(RematPlan.first(layers, layers, policy), moved)
+            if every is not None:
+                break
+        else:
+            return None
+        _, best = fewest(lambda k: probe(RematPlan.first(layers, k, policy), moved), layers)
+        return best or every
+
+    found = fewest_layers(None) if remat_ok else None
+    if host.active:
+        copies = 2 * sum(array_bytes(leaves[i].shape, leaves[i].dtype)
+                         for i in host.inputs) / mesh.size / mesh.device.host_bandwidth
+        saved = found.result.prediction.recompute_time if found is not None else float("inf")
+        if copies < saved:
+            other = fewest_layers(host)
+            if other is not None and (found is None or other.result.prediction.total_time
+                                      < found.result.prediction.total_time):
+                found = other
+        else:
+            notes.append(f"host offload of the optimizer state not tried: its copies take at "
+                         f"least {copies * 1e3:.4g} ms per step over the "
+                         f"{mesh.device.host_bandwidth / 1e9:.4g} GB/s host link, more than "
+                         f"the {saved * 1e3:.4g} ms of recompute it could save")
+    if found is None:
+        everything = RematPlan.first(layers, layers, RECOMPUTE_ALL).summary()
+        what = (f"every layer's activations recomputed in the backward pass ({everything})"
+                if remat_ok else "no layer recomputed (the step's own jax.checkpoint is kept)")
+        if host.active:
+            what += f" and the {host.summary(leaves)}"
         raise InfeasibleError(
             f"no plan fits the memory budget of {format_bytes(budget)} per device, even with "
-            f"every layer's activations recomputed in the backward pass "
-            f"({RematPlan.first(layers, layers, RECOMPUTE_ALL).summary()}): {least[0]}; use "
-            f"more devices, or a smaller batch")
-    _, best = fewest(lambda k: probe(RematPlan.first(layers, k, policy)), layers)
-    return best or every
+            f"{what}: {least[0]}; use more devices, or a smaller batch")
+    return found
