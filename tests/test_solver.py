@@ -142,6 +142,23 @@ def test_memory_budget_forces_smaller_strategy():
     assert solve(req).choice == [0, 0]
 
 
+def test_per_set_rows_charge_a_node_what_is_live_at_that_point():
+    """Node 1 stands for two values: 6e9 live at the first point, 1e9 at the second. At its
+    own peak (node_memory) it overflows the second set too; per set it fits unsharded."""
+    mem = [[4e9, 1e9], [6e9], [4e9, 1e9]]
+    req = request([[0.0, 1.0], [0.0], [0.0, 1.0]], node_memory=mem,
+                  liveness=[[0, 1], [1, 2]], memory_budget=8e9)
+    assert solve(req).choice == [1, 0, 1]  # own peaks: 6e9 + 4e9 > 8e9 in both sets
+    req.liveness_memory = [[[4e9, 1e9], [6e9]], [[1e9], [4e9, 1e9]]]
+    res = solve(req)
+    assert res.choice == [1, 0, 0] and memory_peak(req, res.choice) == 7e9
+    assert res.objective == pytest.approx(brute_force(req)[0])
+    assert SolverRequest.from_json(req.to_json()) == req
+    req.liveness_memory[1].pop()
+    with pytest.raises(PlanError, match="liveness set 1 needs one row per member"):
+        validate(req)
+
+
 def test_only_liveness_sets_that_can_exceed_the_budget_become_constraints():
 
     # set {0, 1} fits 10e9 even at its largest (8e9 + 1e9): no terms; set {1, 2} can

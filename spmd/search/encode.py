@@ -16,7 +16,13 @@ constant). Terms:
   is paid once, as XLA reshards a value once per spec its consumers want;
 * an aliased output and its input, a loop's carry pair that could not share one variable:
   hard equality edges (``inf`` off the diagonal);
-* charges: the latency XLA's combined collectives share.
+* charges: the latency XLA's combined collectives share;
+* memory: at each of the busiest program points (``Liveness.busiest_points``), each group's
+  bytes per strategy of its values live there (``liveness_memory``), so the budget binds on
+  what the liveness holds at that point (a group's own-peak row, ``node_memory``, would
+  charge a weight gradient's group the moments its update makes all through the backward
+  pass: 25% over an offloaded step's real peak on mlp-small). Resharded copies and partial
+  sums (``predict``'s buffers) are not in these rows.
 """
 
 from __future__ import annotations
@@ -126,6 +132,10 @@ class Encoding:
         edges = dict(shared.edges)
         fanouts = list(shared.fanouts)
         memory = list(shared.memory)
+        set_memory = [[row if row is not None
+                       else _memory_row(cg, self, self.roots[g], values[g]).tolist()
+                       for g, row in zip(values, rows)]
+                      for values, rows in zip(shared.set_values, shared.set_memory)]
         for node in cg.graph.inputs:
             i = self.index[node]
             specs = self.spec_list(node, 0, True)
@@ -154,7 +164,8 @@ class Encoding:
             node_costs=[c.tolist() for c in costs],
             edges=edge_list, edge_costs=[edges[e] for e in edge_list],  # arrays: no copy
             same_as=list(self.same_as), node_memory=[m.tolist() for m in memory],
-            liveness=shared.liveness, memory_budget=memory_budget, warm_start=None,
+            liveness=shared.liveness, liveness_memory=set_memory,
+            memory_budget=memory_budget, warm_start=None,
             time_limit=time_limit,
             charges=[(lat, [(self.index[r], k) for r, k in members])
                      for lat, members in cg.charges],
@@ -189,14 +200,26 @@ class _SharedPart:
         for i, r in enumerate(enc.roots):
             if nodes[r].kind != "input":
                 self.memory[i] = _memory_row(cg, enc, r, self.own_values.get(i))
-        owner_arr = np.array(owner, dtype=np.int64)
-        sets, seen = [], set()
+        # Per busiest point, each group's values live there and their bytes per strategy:
+        # a group's bytes at that point, not at its own peak (a weight gradient's group,
+        # with the moments its update makes, would be charged those all through the
+        # backward pass). Inputs' rows depend on the pins: made per request.
+        sets: list[dict[int, np.ndarray]] = []
+        seen: set[tuple] = set()
         for t in live.busiest_points(LIVENESS_POINTS):
-            members = frozenset(np.unique(owner_arr[live.live_at(t)]).tolist())
-            if members and members not in seen:
-                seen.add(members)
-                sets.append(sorted(members))
-        self.liveness = sets
+            members: dict[int, list[int]] = {}
+            for idx in live.live_at(t).tolist():
+                if not live.fused[idx]:
+                    members.setdefault(owner[idx], []).append(idx)
+            key = tuple(sorted((g, tuple(ix)) for g, ix in members.items()))
+            if members and key not in seen:
+                seen.add(key)
+                sets.append({g: np.array(ix, dtype=np.int64) for g, ix in sorted(members.items())})
+        self.set_values = sets
+        self.liveness = [list(s) for s in sets]
+        self.set_memory = [[None if nodes[enc.roots[g]].kind == "input"
+                            else _memory_row(cg, enc, enc.roots[g], ix).tolist()
+                            for g, ix in s.items()] for s in sets]
 
 
 def _memory_row(cg: CostGraph, enc: Encoding, root: int, values: np.ndarray | None) -> np.ndarray:

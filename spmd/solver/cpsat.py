@@ -312,8 +312,8 @@ def build(r: SolverRequest, prob: Reduced, scaled: Scaled, *, with_memory: bool,
 
 def memory_unit(r: SolverRequest) -> float:
     """Bytes per integer unit: the budget (or the largest set) maps to ~MEMORY_UNITS units."""
-    ref = r.memory_budget or max((sum(max(r.node_memory[v]) for v in set(live))
-                                  for live in r.liveness), default=1.0)
+    ref = r.memory_budget or max((sum(max(row) for _, row in r.set_terms(i))
+                                  for i in range(len(r.liveness))), default=1.0)
     return max(ref / MEMORY_UNITS, 1e-12)
 
 
@@ -325,21 +325,18 @@ def _memory_terms(r: SolverRequest, prob: Reduced, x,
     never bind and gets no terms: on a 24-layer GPT under a GPU's memory that is every set,
     and writing them out took 0.65 s of a 4 s solve."""
     unit = memory_unit(r)
-    worst = None
-    if budget is not None:
-        cap = math.floor(budget / unit)
-        worst = np.array([max((math.ceil(m / unit) for m in mems), default=0)
-                          for mems in r.node_memory], dtype=np.int64)
+    cap = math.floor(budget / unit) if budget is not None else None
     out = []
-    for live in r.liveness:
-        live = set(live)
-        if worst is not None and int(worst[list(live)].sum()) <= cap:
+    for i in range(len(r.liveness)):
+        terms = r.set_terms(i)
+        if cap is not None and sum(max((math.ceil(m / unit) for m in row), default=0)
+                                   for _, row in terms) <= cap:
             out.append([])
             continue
         coef: dict[tuple[int, int], int] = {}
-        for v in live:
+        for v, row in terms:
             g = prob.group_of[v]
-            for s, m in enumerate(r.node_memory[v]):
+            for s, m in enumerate(row):
                 if m:
                     coef[(g, s)] = coef.get((g, s), 0) + math.ceil(m / unit)
         out.append([(x[g][s], c) for (g, s), c in coef.items()])

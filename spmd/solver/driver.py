@@ -251,7 +251,7 @@ def _least_peak(r: SolverRequest, prob: Reduced, scaled: Scaled, options: Solver
         low = max(solver.BestObjectiveBound() - len(r.node_names), 0) * memory_unit(r)
         return f"between {format_bytes(low)} and {format_bytes(peak)}"
     # Lower bound without the solver: each set with every node at its smallest value.
-    low = max(sum(min(r.node_memory[v]) for v in set(live)) for live in r.liveness)
+    low = max(sum(min(row) for _, row in r.set_terms(i)) for i in range(len(r.liveness)))
     return f"at least {format_bytes(low)}"
 
 

@@ -56,6 +56,9 @@ class SolverRequest:
             (``targets[strategy]``, an index into the columns of ``costs``); every distinct
             target the chosen strategies name costs ``costs[producer's strategy][target]``,
             once. A value read by several consumers is resharded once per spec they want.
+        liveness_memory: per liveness set, per member (in its order), the member's bytes per
+            strategy live at that set's point; None: each member's ``node_memory`` (a bound:
+            a node standing for many values is charged all of them wherever one is live).
     """
 
     node_names: list[str]
@@ -71,6 +74,13 @@ class SolverRequest:
     time_limit: float = 30.0
     charges: list[tuple[float, list[tuple[int, int]]]] = dataclasses.field(default_factory=list)
     fanouts: list[Fanout] = dataclasses.field(default_factory=list)
+    liveness_memory: list[list[list[float]]] | None = None
+
+    def set_terms(self, i: int) -> list[tuple[int, Sequence[float]]]:
+        """Liveness set ``i`` as (node, bytes per strategy) terms, each counted once."""
+        if self.liveness_memory is None:
+            return [(v, self.node_memory[v]) for v in dict.fromkeys(self.liveness[i])]
+        return list(zip(self.liveness[i], self.liveness_memory[i]))
 
     def to_json(self) -> str:
         """Serialise (``inf`` as the string "inf") so a request can be saved and replayed."""
@@ -201,6 +211,17 @@ def validate(request: SolverRequest) -> None:
         bad = [v for v in live if not 0 <= v < n]
         if bad:
             raise PlanError(f"solver request: liveness set {i} names unknown nodes {bad}")
+    if r.liveness_memory is not None:
+        if len(r.liveness_memory) != len(r.liveness):
+            raise PlanError(f"solver request: liveness_memory has {len(r.liveness_memory)} "
+                            f"sets for {len(r.liveness)} liveness sets")
+        for i, (live, rows) in enumerate(zip(r.liveness, r.liveness_memory)):
+            if len(rows) != len(live) or any(len(row) != sizes[v] for v, row in zip(live, rows)):
+                raise PlanError(f"solver request: liveness set {i} needs one row per member, "
+                                f"each with one entry per strategy of the member")
+            if any(not (math.isfinite(m) and m >= 0) for row in rows for m in row):
+                raise PlanError(f"solver request: liveness set {i} has a negative or "
+                                f"non-finite memory")
     for i, (cost, members) in enumerate(r.charges):
         if not (math.isfinite(cost) and cost >= 0):
             raise PlanError(f"solver request: charge {i} costs {cost}; it must be finite and "
@@ -292,8 +313,8 @@ def evaluate(request: SolverRequest, choice: Sequence[int]) -> float:
 def memory_peak(request: SolverRequest, choice: Sequence[int]) -> float:
     """Largest bytes per device over the liveness sets under ``choice`` (0 without sets)."""
     _check_choice(request, choice, "memory_peak")
-    return max((sum(request.node_memory[v][choice[v]] for v in set(live))
-                for live in request.liveness), default=0.0)
+    return max((sum(row[choice[v]] for v, row in request.set_terms(i))
+                for i in range(len(request.liveness))), default=0.0)
 
 
 # -- the reduced problem -------------------------------------------------------------------
