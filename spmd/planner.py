@@ -24,7 +24,7 @@ from spmd.manual import DOES_NOT_APPLY, applicable_methods, manual_specs
 from spmd.options import SearchOptions
 from spmd.plan import Plan
 from spmd.search.intra_op import AutoResult, InputInfo, IntraOp, score_result
-from spmd.search.memory_fit import fit_memory
+from spmd.search.memory_fit import fit_memory, search_under
 from spmd.sharding import Spec
 from spmd.timing import Stopwatch
 from spmd.trace.graph import Graph, build_graph
@@ -133,12 +133,8 @@ def plan_auto(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions,
     budget = mesh.device.memory_bytes if options.memory_budget is None else options.memory_budget
     base_job, remat, moved, probes, notes, program = job, None, None, None, None, None
     with timings.phase("search"):
-        try:
-            result = job.search(memory_budget=budget, time_limit=options.time_limit,
-                                solver=options.solver, warm_start=best[1] if best else None)
-        except PlanError:  # infeasible, or nothing found under the budget in the time limit
-            result = None
-    if result is None or result.prediction.memory_bytes > budget:
+        result, _ = search_under(job, budget, options, best[1] if best else None)
+    if result is None:
         with timings.phase("remat"):  # no sharding of the step as written fits
             fitted = fit_memory(sig.jaxpr, graph, inputs, mesh, leaves=sig.leaves,
                                 output_aliases=sig.output_aliases, budget=budget,

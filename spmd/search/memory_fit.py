@@ -41,7 +41,7 @@ from spmd.solver.driver import format_bytes
 from spmd.trace.graph import Graph, array_bytes, build_graph
 from spmd.trace.signature import Leaf
 
-__all__ = ["Fitted", "fewest", "fit_memory"]
+__all__ = ["Fitted", "fewest", "fit_memory", "search_under"]
 
 T = TypeVar("T")
 
@@ -81,6 +81,36 @@ def fewest(fits: Callable[[int], T | None], known: int) -> tuple[int, T]:
         else:
             high, best = mid, answer
     return high, best
+
+
+def search_under(job: IntraOp, budget: float, options: SearchOptions,
+                 warm: AutoResult | None = None) -> tuple[AutoResult | None, str | None]:
+    """The search's plan within ``budget`` by its prediction, or None and why (the least
+    memory, in words; None when no plan was found in the time limit).
+
+    The integer program's memory rows leave out what the prediction adds beside the graph's
+    values (resharded copies, partial sums: ``spmd.memory.liveness.Buffer``), so a plan it
+    fits to the budget can be over it by those: the search is run once more with that
+    overshoot taken off its budget."""
+    target, over = budget, None
+    for _ in range(2):
+        try:
+            result = job.search(memory_budget=target, time_limit=options.time_limit,
+                                solver=options.solver, warm_start=warm)
+        except InfeasibleError as err:
+            if over is not None:
+                break
+            least = err.least
+            return None, None if least is None else (
+                f"the least peak memory any assignment needs is {least}")
+        except PlanError:  # no plan found in the time limit
+            break
+        if result.prediction.memory_bytes <= budget:
+            return result, None
+        over = result.prediction.memory_bytes
+        target *= budget / over
+    return None, (None if over is None
+                  else f"the least peak memory found is {format_bytes(over)}")
 
 
 def fit_memory(jaxpr, graph: Graph, inputs: Sequence[InputInfo], mesh: DeviceMesh, *,
@@ -130,20 +160,9 @@ def fit_memory(jaxpr, graph: Graph, inputs: Sequence[InputInfo], mesh: DeviceMes
             if warm.prediction.memory_bytes <= budget:
                 break
         seed_fits = warm is not None and warm.prediction.memory_bytes <= budget
-        try:
-            result = job.search(memory_budget=budget, time_limit=options.time_limit,
-                                solver=options.solver, warm_start=warm)
-        except InfeasibleError as err:
-            result = None
-            if err.least is not None:
-                least[0] = f"the least peak memory any assignment needs is {err.least}"
-        except PlanError:  # no plan found in the time limit
-            result = None
-        if result is not None and result.prediction.memory_bytes > budget:
-            # the program's liveness sets are an approximation of the prediction
-            least[0] = (f"the least peak memory found is "
-                        f"{format_bytes(result.prediction.memory_bytes)}")
-            result = None
+        result, why = search_under(job, budget, options, warm)
+        if why is not None:
+            least[0] = why
         if seed_fits and (result is None
                           or warm.prediction.total_time < result.prediction.total_time):
             # The hand-written seed fits where the search found nothing that does (its
