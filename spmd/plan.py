@@ -35,8 +35,8 @@ class Plan:
     ``measured`` what the compiled HLO showed (see :meth:`attach_measured`). ``remat`` is
     which layers recompute what in the backward pass (``spmd.memory.remat``; None: none),
     ``offload`` which inputs live in pinned host memory between steps
-    (``spmd.memory.offload``; None: none). ``signature`` is the traced step the plan belongs to (None for a plan loaded from JSON
-    until ``spmd.plan`` binds it).
+    (``spmd.memory.offload``; None: none). ``signature`` is the traced step the plan belongs
+    to (None for a plan loaded from JSON until ``spmd.plan`` binds it).
     """
 
     method: str

@@ -120,9 +120,9 @@ def _gpu(name: str, bf16: float, fp32: float, memory: int, bandwidth: float, hos
 # GFLOP/s fp32 matmul, 4.0 GB/s memory, 1.0-1.4 GB/s links, 50-95 us latency; 0.3-1.5 us per
 # kernel on one device alone), scaled by 8 to the bundled meshes' 10 GB/s link (33 GB/s, 76
 # GFLOP/s, kept at 50); its "host" memory is the same DRAM, a copy there moving 15 GB/s each
-# way (half the read + write bandwidth), so that plans for cpu-8 weigh compute, memory traffic and the
-# in-process copies that stand in for collectives as that host does. Profile your own host
-# for figures that predict its step times.
+# way (half the read + write bandwidth), so that plans for cpu-8 weigh compute, memory
+# traffic and the in-process copies that stand in for collectives as that host does. Profile
+# your own host for figures that predict its step times.
 KNOWN_DEVICES: dict[str, DeviceSpec] = {
     spec.name: spec
     for spec in (
