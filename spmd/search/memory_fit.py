@@ -12,7 +12,8 @@ resharded like any other, and their memory is the rewritten program's liveness.
 Host offload (``spmd.memory.offload``: the optimizer state in pinned host memory between
 steps) is the other lever, where the device has a host link (``DeviceSpec.host_bandwidth``).
 It is searched the same way, the offloaded step first without remat and then with the
-fewest layers recomputed, and the faster of the two plans is kept. It is not tried when its
+fewest layers recomputed (only fewer, or under a lighter policy, than remat alone needed),
+and the faster of the two plans is kept. It is not tried when its
 copies alone (the state in and out once, at the least bytes per device a sharding can give
 it) take longer than the recompute it could save: that is said in the plan's notes.
 
@@ -177,29 +178,35 @@ def fit_memory(jaxpr, graph: Graph, inputs: Sequence[InputInfo], mesh: DeviceMes
         return None if result is None else Fitted(result, job, rewritten, remat, moved, probes,
                                                   notes)
 
-    def fewest_layers(moved: OffloadPlan | None) -> Fitted | None:
+    def fewest_layers(moved: OffloadPlan | None,
+                      within: tuple[str, int] | None = None) -> Fitted | None:
         """The plan with the fewest layers recomputed (none, where the offloaded step fits
-        without), or None."""
+        without), or None. ``within``: the (policy, layers) found without offload; only
+        plans that recompute less are searched then (a lighter policy, or fewer layers)."""
         if moved is not None and (plain := probe(None, moved)) is not None:
             return plain
         if not remat_ok:
             return None
         for policy in POLICIES:
-            every = probe(RematPlan.first(layers, layers, policy), moved)
+            first = lambda k: probe(RematPlan.first(layers, k, policy), moved)  # noqa: E731
+            if within is not None and policy == within[0]:
+                return fewest(first, within[1])[1]
+            every = first(layers)
             if every is not None:
-                break
-        else:
-            return None
-        _, best = fewest(lambda k: probe(RematPlan.first(layers, k, policy), moved), layers)
-        return best or every
+                return fewest(first, layers)[1] or every
+        return None
 
     found = fewest_layers(None) if remat_ok else None
     if host.active:
         copies = 2 * sum(array_bytes(leaves[i].shape, leaves[i].dtype)
                          for i in host.inputs) / mesh.size / mesh.device.host_bandwidth
         saved = found.result.prediction.recompute_time if found is not None else float("inf")
+        within = None
+        if found is not None:
+            chosen = [p for p in found.remat.policies if p is not None]
+            within = (chosen[0], len(chosen))
         if copies < saved:
-            other = fewest_layers(host)
+            other = fewest_layers(host, within)
             if other is not None and (found is None or other.result.prediction.total_time
                                       < found.result.prediction.total_time):
                 found = other
