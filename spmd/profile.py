@@ -344,17 +344,23 @@ def _profile_axis(timer: "_Timer", mesh: DeviceMesh, axis: str, sizes: Sequence[
 
 def _plausible(points: Sequence[tuple[int, float]]) -> list[tuple[int, float]]:
     """The (bytes, seconds) points, ascending in bytes, that noise has not visibly spoiled:
-    a loop lost in noise (not above 0) tells nothing, and a collective timed faster than a
-    smaller one of its kind was timed while the host was busy elsewhere.
+    a loop lost in noise (not above 0) tells nothing, and of times that do not grow with
+    size some were taken while the host was busy elsewhere. Kept: the most points whose
+    times grow with their sizes (earliest first among as many), so one slow early timing
+    does not take the later ones with it.
 
     >>> _plausible([(4096, 4e-5), (65536, 4e-7), (1048576, 2e-3), (4194304, 0.0)])
     [(4096, 4e-05), (1048576, 0.002)]
+    >>> _plausible([(4096, 9e-4), (65536, 1e-5), (1048576, 2e-4)])  # a slow first timing
+    [(65536, 1e-05), (1048576, 0.0002)]
     """
-    kept: list[tuple[int, float]] = []
-    for nbytes, seconds in points:
-        if seconds > 0 and (not kept or seconds >= kept[-1][1]):
-            kept.append((nbytes, seconds))
-    return kept
+    timed = [p for p in points if p[1] > 0]
+    # chain[i]: the longest run of growing times ending at point i
+    chain: list[list[tuple[int, float]]] = []
+    for i, point in enumerate(timed):
+        before = [chain[j] for j in range(i) if timed[j][1] <= point[1]]
+        chain.append(max(before, key=len, default=[]) + [point])
+    return max(chain, key=len, default=[])
 
 
 class _Timer:
