@@ -17,8 +17,11 @@ from spmd.options import SearchOptions
 from spmd.plan import Plan
 from spmd.planner import plan_auto, score_manual, step_inputs
 from spmd.runtime.compile import Executable, prepare
+from spmd.runtime.pipeline import PipelineExecutable
 from spmd.runtime.nodes import NodeStateCache, StateRead
 from spmd.sharding import Spec, replicated
+from spmd.stages.manual import PIPELINE_METHODS, is_pipeline, plan_manual_pipeline
+from spmd.stages.plan import PipelinePlan
 from spmd.timing import Stopwatch
 from spmd.trace.signature import StepSignature, split_step_args
 
@@ -43,8 +46,10 @@ def plan(step_fn: Callable, *example_args: Any, mesh: DeviceMesh, method: str = 
     """Plan how to shard ``step_fn`` on ``mesh``. Arguments may be concrete or abstract
     (``jax.ShapeDtypeStruct`` leaves, ``nnx.eval_shape`` models).
 
-    ``method`` is ``"auto"`` (searched; see :class:`SearchOptions`) or a hand-written plan
-    from ``spmd.manual.METHODS``.
+    ``method`` is ``"auto"`` (searched; see :class:`SearchOptions`), a hand-written plan
+    from ``spmd.manual.METHODS``, or a hand-written pipeline plan from
+    ``spmd.stages.manual.PIPELINE_METHODS`` (a ``PipelinePlan``, stages along the mesh's
+    ``stage`` axis).
 
     >>> import spmd, jax.numpy as jnp
     >>> mesh = spmd.make_mesh({"data": 2}, virtual=True)
@@ -61,6 +66,9 @@ def plan(step_fn: Callable, *example_args: Any, mesh: DeviceMesh, method: str = 
                                 batch_argnums=batch_argnums)
         if method == "auto":
             return plan_auto(sig, mesh, options or SearchOptions(), timings)
+        if is_pipeline(method):
+            return plan_manual_pipeline(sig, example_args, mesh, method,
+                                        options or SearchOptions(), logical_axes)
         return plan_manual(sig, mesh, method, options)
 
 
@@ -106,8 +114,11 @@ def _old_heap_frozen() -> Iterator[None]:
 
 
 def _check_method(method: str) -> None:
-    if method != "auto":
-        get_method(method)  # raises, naming the valid methods
+    if method != "auto" and not is_pipeline(method):
+        try:
+            get_method(method)
+        except PlanError as err:  # name the pipeline methods too
+            raise PlanError(f"{err}, {', '.join(PIPELINE_METHODS)}") from None
 
 
 def _avals(leaves: Sequence[Any]) -> tuple[tuple[tuple[int, ...], Any], ...]:
@@ -196,7 +207,8 @@ class ParallelStep:
             p = plan(self.step_fn, *args, mesh=self.mesh, method=self.method,
                      logical_axes=self.logical_axes, batch_argnums=self.batch_argnums,
                      options=self.options)
-            self._prepared[key] = prepare(p, self.donate)
+            self._prepared[key] = (PipelineExecutable(p) if isinstance(p, PipelinePlan)
+                                   else prepare(p, self.donate))
         return self._prepared[key]
 
     def plan_for(self, *args: Any) -> Plan:
@@ -259,19 +271,29 @@ def materialize(create_fn: Callable[[], Any], p: Plan) -> Any:
 
     ``create_fn`` must return the step's graph-node arguments in order (e.g. ``(model,
     optimizer)``) and be a pure function of nothing but constants (seeded initializers).
+    A pipeline plan's state is built stage by stage, each stage's leaves by a program on its
+    own devices (the initializers of the other stages' leaves are dead code there).
     """
     sig = p.bound_signature()
     abstract = eval_shape(create_fn)
     nodes = abstract if isinstance(abstract, tuple) else (abstract,)
     graphdef, abstract_state = nnx.split(nodes)
     flat_shardings = p.input_shardings_flat()[: sig.num_state_leaves]
-    state_shardings = jax.tree.unflatten(jax.tree.structure(abstract_state), flat_shardings)
+    state_def = jax.tree.structure(abstract_state)
 
     def build():
         with nnx.use_eager_sharding(False):
             made = create_fn()
-        return nnx.split(made if isinstance(made, tuple) else (made,))[1]
+        return jax.tree.leaves(nnx.split(made if isinstance(made, tuple) else (made,))[1])
 
-    state = jax.jit(build, out_shardings=state_shardings)()
-    made = nnx.merge(graphdef, state)
+    by_devices: dict[frozenset, list[int]] = {}
+    for i, sharding in enumerate(flat_shardings):
+        by_devices.setdefault(frozenset(sharding.device_set), []).append(i)
+    flat: list[Any] = [None] * len(flat_shardings)
+    for chosen in by_devices.values():
+        part = jax.jit(lambda: [build()[i] for i in chosen],
+                       out_shardings=[flat_shardings[i] for i in chosen])()
+        for i, x in zip(chosen, part):
+            flat[i] = x
+    made = nnx.merge(graphdef, jax.tree.unflatten(state_def, flat))
     return made if isinstance(abstract, tuple) else made[0]

@@ -23,7 +23,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from spmd.errors import OptionsError
 
-__all__ = ["CACHE_ENV", "Rules", "SearchOptions", "SolverOptions", "normalize_rules"]
+__all__ = ["CACHE_ENV", "PipelineOptions", "Rules", "SearchOptions", "SolverOptions",
+           "normalize_rules"]
 
 CACHE_ENV = "SPMD_CACHE_DIR"
 
@@ -134,6 +135,54 @@ class SolverOptions:
         return max(self.stall_seconds, self.stall_fraction * time_limit)
 
 
+#: the pipeline schedules ``spmd.stages.schedule`` runs
+SCHEDULE_NAMES = ("gpipe", "1f1b")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineOptions:
+    """How a step is cut into pipeline stages (``spmd.stages``).
+
+    Attributes:
+      stage_axis: the mesh axis a hand-written pipeline plan (``pp_dp``, ``pp_tp``,
+        ``pp_fsdp``) puts its stages along: one stage per index of it.
+      microbatches: how many microbatches a step's batch is cut into; None: twice the
+        stages for a hand-written plan (MaxText's advice), searched for auto.
+      schedule: ``"1f1b"`` (at most ``stages - s`` microbatches' activations held on stage
+        s) or ``"gpipe"`` (all of them); both idle ``(p - 1) / (m + p - 1)`` of the time.
+      min_stages: auto plans with fewer stages are not considered (2 forces a pipeline).
+      max_stages: auto plans with more stages are not considered (1: no pipeline).
+      layers: how many layers the step's forward pass is cut into (stages hold contiguous
+        ranges of them); None: as many as the hand-written plan has stages, or for auto
+        the finest cut up to 16 that the model's blocks allow.
+    """
+
+    stage_axis: str = "stage"
+    microbatches: int | None = None
+    schedule: str = "1f1b"
+    min_stages: int = 1
+    max_stages: int | None = None
+    layers: int | None = None
+
+    def __post_init__(self) -> None:
+        own = "PipelineOptions"
+        _check(own, "stage_axis", self.stage_axis, isinstance(self.stage_axis, str)
+               and bool(self.stage_axis), "a mesh axis name")
+        _check(own, "schedule", self.schedule, self.schedule in SCHEDULE_NAMES,
+               f"one of {', '.join(SCHEDULE_NAMES)}")
+        for name in ("microbatches", "max_stages", "layers"):
+            value = getattr(self, name)
+            _check(own, name, value, value is None or (isinstance(value, int)
+                                                       and not isinstance(value, bool)
+                                                       and value >= 1), "a whole number >= 1 or None")
+        _check(own, "min_stages", self.min_stages, isinstance(self.min_stages, int)
+               and not isinstance(self.min_stages, bool) and self.min_stages >= 1,
+               "a whole number >= 1")
+        if self.max_stages is not None and self.max_stages < self.min_stages:
+            raise OptionsError(f"PipelineOptions.max_stages ({self.max_stages}) is below "
+                               f"min_stages ({self.min_stages})")
+
+
 @dataclasses.dataclass(frozen=True)
 class SearchOptions:
     """How ``method="auto"`` searches.
@@ -161,6 +210,7 @@ class SearchOptions:
       cache: reuse a saved plan for the same jaxpr, mesh and options.
       cache_dir: where plans are saved (default ``$SPMD_CACHE_DIR`` or ~/.cache/spmd/plans).
       solver: the integer program's options.
+      pipeline: how the step is cut into pipeline stages (``PipelineOptions``).
     """
 
     memory_budget: float | None = None
@@ -172,6 +222,7 @@ class SearchOptions:
     cache: bool = True
     cache_dir: str | None = None
     solver: SolverOptions = SolverOptions()
+    pipeline: PipelineOptions = PipelineOptions()
 
     def __post_init__(self) -> None:
         own = "SearchOptions"
@@ -188,6 +239,8 @@ class SearchOptions:
         normalize_rules(self.rules)  # raises, naming the rule at fault
         _check(own, "solver", self.solver, isinstance(self.solver, SolverOptions),
                "a SolverOptions")
+        _check(own, "pipeline", self.pipeline, isinstance(self.pipeline, PipelineOptions),
+               "a PipelineOptions")
 
     def directory(self) -> Path:
         """Where plans are cached."""

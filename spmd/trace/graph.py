@@ -198,6 +198,8 @@ class Graph:
     loops: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     #: every scan equation (inner ones before the scans around them)
     scans: list[Scan] = dataclasses.field(default_factory=list)
+    #: the value of each constant node, by node id (None where the program did not say)
+    constants: dict[int, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def num_edges(self) -> int:
@@ -255,10 +257,15 @@ def build_graph(closed_jaxpr) -> Graph:
                 nodes[v.node].consumers.append(node.id)
         return node
 
-    def leaf(var, kind: str, input_index: int = -1) -> None:
+    constants: dict[int, Any] = {}
+
+    def leaf(var, kind: str, input_index: int = -1, value: Any = None) -> None:
         shape, dtype = _aval(var)
         op = Op(kind, {}, (), (), (shape,), (dtype,))
-        env[var] = Value(add(kind, op, (), (), input_index=input_index).id, 0)
+        node = add(kind, op, (), (), input_index=input_index)
+        env[var] = Value(node.id, 0)
+        if kind == "const":
+            constants[node.id] = value
 
     def read(atom) -> Value | None:
         if isinstance(atom, jcore.Literal):
@@ -299,23 +306,26 @@ def build_graph(closed_jaxpr) -> Graph:
         return results
 
     def run(jaxpr, consts: Sequence[Any], args: Sequence[Value | None], path: Path,
-            repeat: int = 1) -> list[Value | None]:
+            repeat: int = 1, literals: Sequence[Any] = ()) -> list[Value | None]:
         for var, c in zip(jaxpr.constvars, consts):
-            leaf(var, "const")
-        for var, a in zip(jaxpr.invars, args):
+            leaf(var, "const", value=c)
+        for k, (var, a) in enumerate(zip(jaxpr.invars, args)):
             if a is not None:
                 env[var] = a
-            else:
-                leaf(var, "const")  # a literal passed into an inlined call
+            else:  # a literal passed into an inlined call
+                leaf(var, "const", value=literals[k] if k < len(literals) else None)
         for i, eqn in enumerate(jaxpr.eqns):
             operands = [read(a) for a in eqn.invars]
             inner = inner_jaxpr(eqn)
             if inner is not None or eqn.primitive.name == SCAN:
-                outs = (run(inner[0], inner[1], operands, path + (i,), repeat) if inner is not None
-                        else scan(eqn, operands, path + (i,), repeat))
-                for var, v in zip(eqn.outvars, outs):
-                    if v is None:
-                        leaf(var, "const")
+                given = [a.val if isinstance(a, jcore.Literal) else None for a in eqn.invars]
+                outs = (run(inner[0], inner[1], operands, path + (i,), repeat, given)
+                        if inner is not None else scan(eqn, operands, path + (i,), repeat))
+                returned = inner[0].outvars if inner is not None else ()
+                for k, (var, v) in enumerate(zip(eqn.outvars, outs)):
+                    if v is None:  # the inner program returns a literal
+                        atom = returned[k] if k < len(returned) else None
+                        leaf(var, "const", value=getattr(atom, "val", None))
                     else:
                         env[var] = v
                 continue
@@ -327,14 +337,14 @@ def build_graph(closed_jaxpr) -> Graph:
 
     jaxpr = closed_jaxpr.jaxpr
     for var, c in zip(jaxpr.constvars, closed_jaxpr.consts):
-        leaf(var, "const")
+        leaf(var, "const", value=c)
     inputs = []
     for i, var in enumerate(jaxpr.invars):
         leaf(var, "input", i)
         inputs.append(env[var].node)
     outs = run(jaxpr, (), [env[v] for v in jaxpr.invars], ())
     literals = [a.val if isinstance(a, jcore.Literal) else None for a in jaxpr.outvars]
-    return Graph(nodes, inputs, outs, literals, loops, scans)
+    return Graph(nodes, inputs, outs, literals, loops, scans, constants)
 
 
 def _name_stack(eqn) -> str:

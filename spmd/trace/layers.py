@@ -7,11 +7,20 @@ Forward ops are those a differentiated step traces under ``jvp(...)`` (backward 
 ``count`` contiguous ranges of balanced FLOPs (within a factor ``1 +- eps`` of the mean,
 ``eps`` doubled until a cut exists) that minimize the activation bytes crossing the cuts (Alpa,
 Zheng et al. OSDI'22, §5.2: the cuts of an unrolled transformer fall between its blocks,
-where only the residual stream crosses). Every other node takes the lowest layer among
-the values it reads (a gradient op reads its layer's activations, parameters and the
-gradient coming from the layer above; an update reads its gradient); a node that reads no
-layered value takes the lowest layer among its readers. Inputs and constants are no layer's:
-every region that reads them gets them as inputs.
+where only the residual stream crosses). A backward op takes the latest layer whose
+forward values it reads (the activations its layer saved; the backward pass runs the layers
+in reverse), a value crossing a cut counting as the latest layer that reads it up to that
+of the gradient the op reads (the weight gradient of a layer's first matmul reads the
+activation the layer below made, and is its own layer's); reading none, it takes the lowest
+among the backward values it reads (the gradient coming from the layer above, or both
+halves of a tied embedding's gradient). Every other
+node takes the lowest layer among the non-forward values it reads (an update, its
+gradient's), else among the forward values and parameters. Ops outside ``jvp(...)`` that
+feed forward ones (an embedding's gather) are forward work of the earliest layer they feed.
+A node that reads no layered value takes the lowest layer among its readers if they are
+all forward ones, else the latest (a scalar of the optimizer's step count, read by every
+layer's update). Inputs and constants are no layer's: every region that reads them gets
+them as inputs.
 
 >>> import jax, jax.numpy as jnp
 >>> from spmd.trace.graph import build_graph
@@ -144,6 +153,16 @@ def layer_of(graph: Graph, count: int) -> list[int]:
         while k < len(starts) and i >= starts[k]:
             k += 1
         layer[node] = k
+    forward = set(fwd)
+    # Ops outside jvp(...) that feed forward ones (an embedding's gather of the tokens, a
+    # mask) go with the earliest forward op they feed, as forward work.
+    for n in reversed(graph.nodes):
+        if n.kind == "op" and n.id not in forward and not is_backward(n):
+            fed = [layer[c] for c in n.consumers if c in forward]
+            if fed:
+                layer[n.id] = min(fed)
+                forward.add(n.id)
+    fwd = sorted(forward)
     # Inputs: the lowest layer reading them in the forward pass (parameters), for the
     # gradient and update work that reads them; they stay -1 in the answer.
     reads = [-1] * len(graph.nodes)
@@ -152,20 +171,36 @@ def layer_of(graph: Graph, count: int) -> list[int]:
             if v is not None and graph.nodes[v.node].kind != "op":
                 r = reads[v.node]
                 reads[v.node] = layer[node] if r < 0 else min(r, layer[node])
+    used = {node: {layer[node]} for node in fwd}  # the layers whose forward ops read a value
+    for node in fwd:
+        for v in graph.nodes[node].operands:
+            if v is not None and v.node in forward:
+                used[v.node].add(layer[node])
     pending = []
     for n in graph.nodes:
         if n.kind != "op" or layer[n.id] >= 0:
             continue
-        seen = [layer[v.node] if graph.nodes[v.node].kind == "op" else reads[v.node]
-                for v in n.operands if v is not None]
-        seen = [s for s in seen if s >= 0]
+        operands = [v.node for v in n.operands if v is not None]
+        saved = [m for m in operands if m in forward]
+        later = [layer[m] for m in operands
+                 if graph.nodes[m].kind == "op" and m not in forward and layer[m] >= 0]
+        if is_backward(n) and saved:
+            cap = min(later) if later else -1
+            seen = [max((u for u in used[m] if u <= cap), default=layer[m])
+                    for m in operands if m in forward]
+            seen = [max(seen)]
+        else:
+            seen = later or [s for s in (layer[m] if graph.nodes[m].kind == "op" else reads[m]
+                                         for m in operands) if s >= 0]
         if seen:
             layer[n.id] = min(seen)
         else:
             pending.append(n.id)
-    for node in reversed(pending):
-        readers = [layer[c] for c in graph.nodes[node].consumers if layer[c] >= 0]
-        layer[node] = min(readers) if readers else count - 1
+    for node in reversed(pending):  # with its earliest forward reader, else its latest one
+        consumers = graph.nodes[node].consumers
+        readers = [layer[c] for c in consumers if layer[c] >= 0]
+        early = all(c in forward for c in consumers)
+        layer[node] = (min(readers) if early else max(readers)) if readers else count - 1
     for scan in graph.scans:  # a scan is one unit: its body is not cut
         low = min(layer[n] for n in scan.nodes)
         for n in scan.nodes:

@@ -1,0 +1,148 @@
+"""Hand-written pipeline plans, as an expert writes them with MaxText: stages along the
+mesh's ``stage`` axis, equal shares of the layers per stage, a named intra-op plan inside
+every stage, and twice as many microbatches as stages.
+
+- ``pp_dp``: data parallel inside each stage (the batch over all of its devices);
+- ``pp_tp``: the batch over ``data`` and Megatron over ``model`` inside each stage (the
+  intra-op plan ``dp_tp``: on a ``stage x data x model`` mesh that is what "tensor
+  parallel stages" means, not leaving ``data`` idle);
+- ``pp_fsdp``: FSDP inside each stage.
+
+"Equal layers" is the step's forward pass cut into as many ranges of balanced FLOPs as
+there are stages (``spmd.trace.layers``): for a GPT, whole blocks, with the embedding and
+the logits counted as the work they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+
+from spmd.cluster.mesh import DeviceMesh, Link
+from spmd.errors import PlanError
+from spmd.logical import user_pins
+from spmd.manual import manual_specs
+from spmd.options import SearchOptions
+from spmd.search.costgraph import InputInfo
+from spmd.search.regions import RegionCache
+from spmd.stages.plan import PipelinePlan, StagePlan, predict
+from spmd.stages.price import price_stage
+from spmd.stages.schedule import schedule
+from spmd.sharding import Spec, bytes_per_device
+from spmd.stages.split import LayeredStep, StageSplit
+from spmd.trace.signature import Leaf, StepSignature
+
+__all__ = ["PIPELINE_METHODS", "is_pipeline", "micro_signature", "plan_manual_pipeline",
+           "stage_meshes"]
+
+#: pipeline method -> (the intra-op method inside each stage, what it is)
+PIPELINE_METHODS: dict[str, tuple[str, str]] = {
+    "pp_dp": ("dp", "pipeline stages over 'stage', data parallel inside each"),
+    "pp_tp": ("dp_tp", "pipeline stages over 'stage', batch over 'data' and Megatron over "
+                       "'model' inside each"),
+    "pp_fsdp": ("fsdp", "pipeline stages over 'stage', FSDP inside each"),
+}
+
+
+def is_pipeline(method: str) -> bool:
+    return method in PIPELINE_METHODS
+
+
+def stage_meshes(mesh: DeviceMesh, axis: str) -> list[DeviceMesh]:
+    """One submesh per index of ``axis``: the stages' devices."""
+    if axis not in mesh.shape:
+        raise PlanError(f"a pipeline plan puts its stages along mesh axis {axis!r}, and mesh "
+                        f"{mesh.name!r} has axes {list(mesh.axis_names)}; use a mesh with a "
+                        f"{axis!r} axis (e.g. cpu-pp) or PipelineOptions(stage_axis=...)")
+    return [mesh.submesh({axis: 1}, offset={axis: s}) for s in range(mesh.shape[axis])]
+
+
+def micro_signature(full: StepSignature, args: Sequence[Any], microbatches: int,
+                    logical_axes: Any = None) -> StepSignature:
+    """The step traced at one microbatch: every batch argument's leaves cut to
+    ``1 / microbatches`` of their rows (abstract: nothing is computed)."""
+
+    def cut(x: Any, where: str) -> jax.ShapeDtypeStruct:
+        shape = jax.numpy.shape(x)
+        rows = shape[0] if shape else 0
+        if not shape or rows % microbatches:
+            raise PlanError(f"batch input {where} has shape {tuple(shape)}: its {rows} rows "
+                            f"cannot be cut into {microbatches} equal microbatches; use a batch "
+                            f"that is a multiple of {microbatches} or other microbatches "
+                            f"(PipelineOptions.microbatches)")
+        return jax.ShapeDtypeStruct((shape[0] // microbatches, *shape[1:]),
+                                    jax.numpy.result_type(x))
+
+    micro_args = [jax.tree_util.tree_map_with_path(
+        lambda path, x: cut(x, jax.tree_util.keystr(path) or f"argument {i}"), a)
+        if i in full.batch_argnums else a for i, a in enumerate(args)]
+    return StepSignature(full.step_fn, micro_args, logical_axes=logical_axes,
+                         batch_argnums=tuple(full.batch_argnums))
+
+
+def plan_manual_pipeline(full: StepSignature, args: Sequence[Any], mesh: DeviceMesh,
+                         method: str, options: SearchOptions = SearchOptions(),
+                         logical_axes: Any = None,
+                         cache: RegionCache | None = None) -> PipelinePlan:
+    """The hand-written pipeline plan ``method`` for the step ``full`` (traced at the
+    whole batch from ``args``), priced stage by stage."""
+    if method not in PIPELINE_METHODS:
+        raise PlanError(f"unknown pipeline method {method!r}; valid: "
+                        f"{', '.join(PIPELINE_METHODS)}")
+    pipe = options.pipeline
+    meshes = stage_meshes(mesh, pipe.stage_axis)
+    p = len(meshes)
+    m = pipe.microbatches or 2 * p
+    micro = micro_signature(full, args, m, logical_axes)
+    layers = pipe.layers or p
+    if layers < p:
+        raise PlanError(f"PipelineOptions.layers={layers} is fewer than the {p} stages of "
+                        f"mesh axis {pipe.stage_axis!r}")
+    layered = LayeredStep(micro.jaxpr, layers)
+    starts = [s * layers // p for s in range(p)]
+    split = layered.split(starts)
+    intra = PIPELINE_METHODS[method][0]
+    pins = user_pins(micro.leaves, options.logical_rules(), meshes[0])
+    specs = manual_specs(micro.leaves, intra, meshes[0], pins)
+    inputs = [InputInfo(leaf.path, leaf.shape, leaf.dtype, leaf.kind, spec)
+              for leaf, spec in zip(micro.leaves, specs)]
+    cache = cache if cache is not None else RegionCache()
+    # every step input is pinned: each stage's search is a scoring, and is timed like one
+    scoring = dataclasses.replace(options, time_limit=options.scoring()[0])
+    link = mesh.link(pipe.stage_axis) if p > 1 else None
+    bounds = starts + [layers]
+    stages = []
+    for s, sub in enumerate(meshes):
+        cost = price_stage(layered, bounds[s], bounds[s + 1], sub, step_inputs=inputs,
+                           output_aliases=micro.output_aliases, send_link=link,
+                           options=scoring, cache=cache)
+        stages.append(StagePlan(bounds[s], bounds[s + 1], sub, intra, list(specs), cost))
+    sched = schedule(pipe.schedule, p, m)
+    plan = PipelinePlan(method, mesh, full.leaves, layers, stages, sched, split, full, micro)
+    copies = shared_copy_time(split, micro.leaves, specs, meshes[0], link)
+    plan.prediction = predict([st.cost for st in stages], sched, copy_time=copies)
+    return plan
+
+
+def shared_copy_time(split: StageSplit, leaves: Sequence[Leaf], specs: Sequence[Spec],
+                     mesh: DeviceMesh, link: Link | None) -> float:
+    """Seconds per step copying the state that more than one stage reads (a tied
+    embedding) from the stage keeping it to each other reader, at the stage link; each
+    device copies its own shard (``specs``: the leaves' specs on a stage's ``mesh``)."""
+    if link is None:
+        return 0.0
+    graph = split.graph
+    readers: dict[int, set[int]] = {}
+    for t in split.tasks:
+        for v in t.region.inputs:
+            node = graph.nodes[v.node]
+            if node.kind == "input" and leaves[node.input_index].kind != "batch":
+                readers.setdefault(node.input_index, set()).add(t.stage)
+    total = 0.0
+    for i, stages in readers.items():
+        if len(stages) > 1:
+            nbytes = bytes_per_device(leaves[i].shape, leaves[i].dtype, specs[i], mesh.shape)
+            total += (len(stages) - 1) * (nbytes / link.bandwidth + link.latency)
+    return total

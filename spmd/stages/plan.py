@@ -1,0 +1,160 @@
+"""A pipeline plan: the step's layers cut into stages, each on its own submesh with its own
+intra-op plan, the microbatches and the schedule, and what the cost model predicts for it.
+
+The step time is the schedule's span (``Schedule.timeline`` with each stage's forward and
+backward time per microbatch, its sends included), then the updates (each stage updates
+its own state, all stages at once: the slowest one counts), plus copying the step inputs
+that more than one stage reads (a tied embedding) to the stages that do not keep them.
+The bubble is the span less the busiest stage's own work. A stage's memory is its
+``StageCost.memory`` with the schedule's most microbatches in flight on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from typing import Any, Sequence
+
+from spmd.cluster.mesh import DeviceMesh
+from spmd.sharding import Spec, to_partition_spec
+from spmd.stages.price import StageCost
+from spmd.stages.schedule import Schedule, bubble_formula
+from spmd.stages.split import StageSplit
+from spmd.trace.signature import Leaf, StepSignature
+
+__all__ = ["PipelinePlan", "PipelinePrediction", "StagePlan", "predict"]
+
+
+@dataclasses.dataclass
+class StagePlan:
+    """One stage: its layers ``[start, stop)``, its devices, the intra-op plan inside it (a
+    hand-written method's name, or ``auto``), every step input's spec there, its cost."""
+
+    start: int
+    stop: int
+    mesh: DeviceMesh
+    method: str
+    input_specs: list[Spec]
+    cost: StageCost | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelinePrediction:
+    """The cost model's view of a pipelined step (seconds; bytes per device)."""
+
+    span: float                  # the schedule's forward and backward work, bubbles included
+    update_time: float           # the slowest stage's update
+    copy_time: float             # step inputs copied to the stages that do not keep them
+    bubble_time: float           # the span less the busiest stage's own work
+    memory_bytes: float          # the most any stage's device needs
+    stage_memory: tuple[float, ...]
+    comm_time: float             # the stages' collectives and sends on the busiest stage
+
+    @property
+    def total_time(self) -> float:
+        return self.span + self.update_time + self.copy_time
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.bubble_time / self.span if self.span > 0 else 0.0
+
+
+def predict(costs: Sequence[StageCost], sched: Schedule, copy_time: float = 0.0
+            ) -> PipelinePrediction:
+    """What ``costs`` (one per stage) come to under ``sched``."""
+    forward = [c.forward for c in costs]
+    backward = [c.backward for c in costs]
+    times = sched.timeline(forward, backward)
+    span = max(end for _, end in times.values())
+    work = [sched.microbatches * (f + b) for f, b in zip(forward, backward)]
+    busiest = max(range(len(costs)), key=lambda s: work[s])
+    memory = tuple(c.memory(sched.in_flight(s)) for s, c in enumerate(costs))
+    comm = sched.microbatches * costs[busiest].comm
+    return PipelinePrediction(span, max(c.update for c in costs), copy_time,
+                              span - work[busiest], max(memory), memory, comm)
+
+
+@dataclasses.dataclass
+class PipelinePlan:
+    """A pipelined step on ``mesh``: ``stages`` over the layers of ``split``, ``microbatches``
+    per step in ``schedule``'s order, run by the MPMD runtime (``spmd.runtime.pipeline``).
+
+    ``signature`` is the step at its whole batch (what the user calls), ``micro`` the step
+    at one microbatch (what the stages run).
+    """
+
+    method: str
+    mesh: DeviceMesh
+    leaves: list[Leaf]
+    num_layers: int
+    stages: list[StagePlan]
+    schedule: Schedule
+    split: StageSplit
+    signature: StepSignature = dataclasses.field(repr=False)
+    micro: StepSignature = dataclasses.field(repr=False)
+    prediction: PipelinePrediction | None = None
+    runtime: str = "mpmd"
+    why_runtime: str = ("MPMD: one program per stage and phase, driven from the host, runs "
+                        "stages of any structure and the 1F1B schedule")
+    alternatives: dict[str, Any] = dataclasses.field(default_factory=dict)
+    search: dict | None = None
+
+    @property
+    def microbatches(self) -> int:
+        return self.schedule.microbatches
+
+    def bound_signature(self) -> StepSignature:
+        return self.signature
+
+    def homes(self) -> list[int]:
+        """The stage keeping each step input between steps (``StageSplit.homes``)."""
+        return self.split.homes(self.signature.output_aliases)
+
+    def input_shardings_flat(self) -> list:
+        """Each input leaf's sharding on the stage that keeps it: where ``materialize``
+        builds the state and ``shard_batch`` puts the batch."""
+        from jax.sharding import NamedSharding
+
+        return [NamedSharding(self.stages[h].mesh.sharding_mesh(),
+                              to_partition_spec(self.stages[h].input_specs[i]))
+                for i, h in enumerate(self.homes())]
+
+    def describe(self) -> str:
+        """Stages (layers, devices, intra-op plan, time and memory), microbatches, schedule,
+        bubble predicted beside the formula's, and the alternatives."""
+        out = io.StringIO()
+        p, m = len(self.stages), self.microbatches
+        out.write(f"pipeline plan: method={self.method}  {self.mesh.describe()}\n")
+        out.write(f"{p} stages over {self.num_layers} layers, {m} microbatches of "
+                  f"{self._micro_rows()} rows, schedule {self.schedule.name}; runtime "
+                  f"{self.why_runtime}\n")
+        out.write(f"{'stage':>5}  {'layers':>7}  {'devices':<28} {'plan':<8} "
+                  f"{'fwd ms':>8} {'bwd ms':>8} {'update ms':>9} {'held':>4} {'GiB':>7} "
+                  f"{'sent MB':>8}\n")
+        for s, st in enumerate(self.stages):
+            c = st.cost
+            cells = (f"{c.forward * 1e3:8.3f} {c.backward * 1e3:8.3f} {c.update * 1e3:9.3f} "
+                     f"{self.schedule.in_flight(s):4d} "
+                     f"{c.memory(self.schedule.in_flight(s)) / 2**30:7.3f} "
+                     f"{c.sent / 1e6:8.2f}") if c is not None else "(not priced)"
+            devices = f"{st.mesh.name} {dict(st.mesh.shape)}"
+            out.write(f"{s:5d}  {st.start:>3}-{st.stop - 1:<3}  {devices[:28]:<28} "
+                      f"{st.method:<8} {cells}\n")
+        pred = self.prediction
+        if pred is not None:
+            out.write(f"predicted step {pred.total_time * 1e3:.3f} ms: schedule "
+                      f"{pred.span * 1e3:.3f} ms (bubble {pred.bubble_fraction:.1%}; "
+                      f"(p-1)/(m+p-1) = {bubble_formula(p, m):.1%}), update "
+                      f"{pred.update_time * 1e3:.3f} ms, copies {pred.copy_time * 1e3:.3f} ms; "
+                      f"peak memory {pred.memory_bytes / 2**30:.3f} GiB per device\n")
+        for name, other in self.alternatives.items():
+            if isinstance(other, str):
+                out.write(f"  {name}: {other}\n")
+            else:
+                out.write(f"  {name}: predicted {other.total_time * 1e3:.3f} ms, "
+                          f"{other.memory_bytes / 2**30:.3f} GiB per device\n")
+        return out.getvalue()
+
+    def _micro_rows(self) -> str:
+        rows = {leaf.shape[0] for leaf in self.micro.leaves if leaf.kind == "batch" and leaf.shape}
+        return ", ".join(str(r) for r in sorted(rows)) or "?"
