@@ -222,6 +222,14 @@ class ParallelStep:
         """Compile once and keep the executable: later calls with these shapes run it."""
         return self._prepare(args).executable.compile()
 
+    def compiled(self, *args: Any) -> dict[str, Any]:
+        """The compiled programs the step runs, by name: ``{"step": ...}``, or a pipeline's
+        one per stage and phase (for the shapes of its last call: call it first)."""
+        executable = self._prepare(args).executable
+        if isinstance(executable, PipelineExecutable):
+            return executable.compiled()
+        return {"step": executable.compile()}
+
     def place(self, *args: Any) -> list[Any]:
         """The flat leaves of ``args`` placed in the plan's input shardings. In multi-process
         runs pass global arrays (``spmd.shard_batch`` builds them from process-local rows)."""

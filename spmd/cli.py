@@ -135,7 +135,8 @@ def run(
     mesh: str = typer.Option(DEFAULT_MESH, help="bundled mesh name (see `spmd meshes`) or "
                              "a mesh file"),
     method: str = typer.Option("auto", help="auto (searched), or dp, zero, fsdp, tp, dp_tp, "
-                               "fsdp_tp, ep"),
+                               "fsdp_tp, ep; pipelines: pp_dp, pp_tp, pp_fsdp (a mesh with "
+                               "a 'stage' axis, e.g. cpu-pp)"),
     time_limit: float = typer.Option(DEFAULT_TIME_LIMIT, help="seconds the sharding search may take"),
     memory_budget: Optional[float] = typer.Option(None, help="bytes per device (auto)"),
     steps: int = typer.Option(20, min=1, help="training steps"),
@@ -181,10 +182,15 @@ def run(
         net, opt = spmd.materialize(create, plan)
     # Each process reads only its rows, as a real input pipeline would.
     local_batch = spmd.shard_batch(plan, spmd.process_local_batch(plan, batch))
-    with _working("compiling"):
-        compiled = step.compile(net, opt, local_batch)  # the executable the steps below run
-    report = spmd.analyze(compiled)
-    plan.attach_measured(report)
+    from spmd.stages.manual import is_pipeline
+
+    pipelined = is_pipeline(method)
+    report = None
+    if not pipelined:  # a pipeline compiles each stage's programs on its first step
+        with _working("compiling"):
+            compiled = step.compile(net, opt, local_batch)  # the executable the steps run
+        report = spmd.analyze(compiled)
+        plan.attach_measured(report)
     _say(device_mesh.describe())
     _say(f"model {spec.name}: {spec.param_count():,} parameters; method {method}; "
          f"global batch {size}")
@@ -197,13 +203,31 @@ def run(
     _say(f"step time {step_time * 1e3:.1f} ms (median after the first), "
          f"{per_second:,.0f} {spec.unit}/s")
     _say_predicted(step_time, plan)
-    _say(plan.describe(max_rows=None if describe else 12))
-    _say(report.describe())
+    if pipelined:
+        _say(plan.describe())
+        _say(_programs_summary(step.compiled(net, opt, local_batch)))
+    else:
+        _say(plan.describe(max_rows=None if describe else 12))
+        _say(report.describe())
     if output_json is not None and jax.process_index() == 0:
         output_json.write_text(json.dumps({
             "model": spec.name, "mesh": device_mesh.name, "method": method, "losses": losses,
             "step_time": step_time, f"{spec.unit}_per_second": per_second,
-            "report": report.to_dict()}, indent=1))
+            "report": report.to_dict() if report is not None else None}, indent=1))
+
+
+def _programs_summary(compiled: dict) -> str:
+    """A pipeline's compiled programs, one line each: the collectives XLA emitted in it."""
+    import spmd
+
+    lines = [f"compiled programs ({len(compiled)}, one per stage and phase):"]
+    for name, program in compiled.items():
+        report = spmd.analyze(program)
+        kinds = ", ".join(f"{kind} x{count} ({nbytes / 1e6:.2f} MB)"
+                          for kind, (count, nbytes) in sorted(report.collectives.items())
+                          if count) or "no collectives"
+        lines.append(f"  {name}: {kinds}")
+    return "\n".join(lines)
 
 
 def _say_predicted(measured: float, plan) -> None:

@@ -30,6 +30,7 @@ and the transfers would become cross-process sends).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
@@ -105,6 +106,19 @@ class Pipeline:
             if t.phase != UPDATE:
                 for v in self.programs[t.stage, t.phase].reads:
                     self._readers[v] = self._readers.get(v, 0) + 1
+
+    def rescheduled(self, sched: Schedule) -> "Pipeline":
+        """The same stages and programs in another schedule of as many microbatches (the
+        programs, compiled once, are shared)."""
+        if (sched.stages, sched.microbatches) != (self.schedule.stages,
+                                                  self.schedule.microbatches):
+            raise PlanError(f"schedule {sched.name!r} has {sched.stages} stages and "
+                            f"{sched.microbatches} microbatches; this pipeline "
+                            f"{self.schedule.stages} and {self.schedule.microbatches}")
+        other = copy.copy(self)
+        other.schedule = sched
+        other._last_args = {}
+        return other
 
     # -- placement ---------------------------------------------------------------------------
     def _sharding(self, stage: int, leaf: int) -> NamedSharding:
@@ -283,6 +297,10 @@ class PipelineExecutable:
     executable through (``plan``, ``place``, calling it on flat leaves)."""
 
     def __init__(self, plan: "PipelinePlan"):
+        if jax.process_count() > 1:
+            raise PlanError(f"method {plan.method!r}: the MPMD pipeline runtime drives every "
+                            f"stage from one process, and this run has {jax.process_count()}; "
+                            f"run it in one process (a mesh without `distributed:`)")
         self.plan = plan
         leaves = plan.signature.leaves
         self.pipeline = Pipeline(

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import jax
 
 from spmd.cluster.mesh import DeviceMesh, Link
-from spmd.errors import PlanError
+from spmd.errors import InfeasibleError, PlanError
 from spmd.logical import user_pins
 from spmd.manual import manual_specs
 from spmd.options import SearchOptions
@@ -34,8 +34,8 @@ from spmd.sharding import Spec, bytes_per_device
 from spmd.stages.split import LayeredStep, StageSplit
 from spmd.trace.signature import Leaf, StepSignature
 
-__all__ = ["PIPELINE_METHODS", "is_pipeline", "micro_signature", "plan_manual_pipeline",
-           "stage_meshes"]
+__all__ = ["PIPELINE_METHODS", "default_microbatches", "is_pipeline", "micro_signature",
+           "plan_manual_pipeline", "shared_copy_time", "stage_meshes"]
 
 #: pipeline method -> (the intra-op method inside each stage, what it is)
 PIPELINE_METHODS: dict[str, tuple[str, str]] = {
@@ -82,19 +82,42 @@ def micro_signature(full: StepSignature, args: Sequence[Any], microbatches: int,
                          batch_argnums=tuple(full.batch_argnums))
 
 
+def default_microbatches(full: StepSignature, mesh: DeviceMesh, intra: str, stages: int,
+                         options: SearchOptions) -> int:
+    """Twice the stages (MaxText's advice), or the most microbatches below that which cut
+    the batch into equal microbatches the stage's plan can split (1 if none does: the
+    error then comes from the plan itself)."""
+    batch = [leaf for leaf in full.leaves if leaf.kind == "batch" and leaf.shape]
+    if not batch:
+        return 2 * stages
+    pins = user_pins(full.leaves, options.logical_rules(), mesh)
+    try:
+        specs = manual_specs(full.leaves, intra, mesh, pins)
+    except PlanError:
+        return 2 * stages
+    split = max(mesh.axis_size(specs[full.leaves.index(leaf)][0]) for leaf in batch)
+    rows = min(leaf.shape[0] for leaf in batch)
+    for m in range(2 * stages, 0, -1):
+        if rows % m == 0 and (rows // m) % split == 0:
+            return m
+    return 1
+
+
 def plan_manual_pipeline(full: StepSignature, args: Sequence[Any], mesh: DeviceMesh,
                          method: str, options: SearchOptions = SearchOptions(),
                          logical_axes: Any = None,
                          cache: RegionCache | None = None) -> PipelinePlan:
     """The hand-written pipeline plan ``method`` for the step ``full`` (traced at the
-    whole batch from ``args``), priced stage by stage."""
+    whole batch from ``args``), priced stage by stage where ``options.compare`` or a
+    ``memory_budget`` asks (as ``spmd.api.plan_manual`` scores a plan)."""
     if method not in PIPELINE_METHODS:
         raise PlanError(f"unknown pipeline method {method!r}; valid: "
                         f"{', '.join(PIPELINE_METHODS)}")
     pipe = options.pipeline
     meshes = stage_meshes(mesh, pipe.stage_axis)
     p = len(meshes)
-    m = pipe.microbatches or 2 * p
+    intra = PIPELINE_METHODS[method][0]
+    m = pipe.microbatches or default_microbatches(full, meshes[0], intra, p, options)
     micro = micro_signature(full, args, m, logical_axes)
     layers = pipe.layers or p
     if layers < p:
@@ -103,9 +126,13 @@ def plan_manual_pipeline(full: StepSignature, args: Sequence[Any], mesh: DeviceM
     layered = LayeredStep(micro.jaxpr, layers)
     starts = [s * layers // p for s in range(p)]
     split = layered.split(starts)
-    intra = PIPELINE_METHODS[method][0]
     pins = user_pins(micro.leaves, options.logical_rules(), meshes[0])
-    specs = manual_specs(micro.leaves, intra, meshes[0], pins)
+    try:
+        specs = manual_specs(micro.leaves, intra, meshes[0], pins)
+    except PlanError as err:
+        raise PlanError(f"{err} (method {method!r} runs {intra!r} inside each stage on "
+                        f"microbatches of 1/{m} of the batch; PipelineOptions.microbatches "
+                        f"sets how many)") from None
     inputs = [InputInfo(leaf.path, leaf.shape, leaf.dtype, leaf.kind, spec)
               for leaf, spec in zip(micro.leaves, specs)]
     cache = cache if cache is not None else RegionCache()
@@ -113,16 +140,24 @@ def plan_manual_pipeline(full: StepSignature, args: Sequence[Any], mesh: DeviceM
     scoring = dataclasses.replace(options, time_limit=options.scoring()[0])
     link = mesh.link(pipe.stage_axis) if p > 1 else None
     bounds = starts + [layers]
+    priced = options.compare or options.memory_budget is not None  # as plan_manual scores
     stages = []
     for s, sub in enumerate(meshes):
         cost = price_stage(layered, bounds[s], bounds[s + 1], sub, step_inputs=inputs,
                            output_aliases=micro.output_aliases, send_link=link,
-                           options=scoring, cache=cache)
+                           options=scoring, cache=cache) if priced else None
         stages.append(StagePlan(bounds[s], bounds[s + 1], sub, intra, list(specs), cost))
     sched = schedule(pipe.schedule, p, m)
     plan = PipelinePlan(method, mesh, full.leaves, layers, stages, sched, split, full, micro)
-    copies = shared_copy_time(split, micro.leaves, specs, meshes[0], link)
-    plan.prediction = predict([st.cost for st in stages], sched, copy_time=copies)
+    if priced:
+        copies = shared_copy_time(split, micro.leaves, specs, meshes[0], link)
+        plan.prediction = predict([st.cost for st in stages], sched, copy_time=copies)
+        budget = options.memory_budget
+        if budget is not None and plan.prediction.memory_bytes > budget:
+            raise InfeasibleError(
+                f"method {method!r} needs {plan.prediction.memory_bytes / 2**30:.2f} GiB per "
+                f"device on its fullest stage (predicted), over memory_budget={budget:.4g} "
+                f"bytes ({budget / 2**30:.2f} GiB); pick another method or more microbatches")
     return plan
 
 

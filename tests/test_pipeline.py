@@ -1,0 +1,130 @@
+"""Pipeline stages: schedules, the split of a step into stage tasks, and hand-written
+pipeline plans run by the MPMD runtime on 8 simulated devices (stage x data x model), which
+compute what one device does."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import spmd
+from spmd import zoo
+from spmd.errors import PlanError
+from spmd.options import PipelineOptions, SCHEDULE_NAMES
+from spmd.stages.schedule import SCHEDULES, bubble_formula, schedule
+from spmd.stages.split import BACKWARD, FORWARD, UPDATE, split_step
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return spmd.load_mesh("cpu-pp")
+
+
+def test_schedules_are_the_options_names():
+    assert tuple(SCHEDULES) == SCHEDULE_NAMES
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+@pytest.mark.parametrize("stages,microbatches", [(2, 1), (2, 4), (4, 4), (4, 8), (8, 3)])
+def test_bubble_and_held_microbatches(name, stages, microbatches):
+    s = schedule(name, stages, microbatches)
+    assert s.bubble() == pytest.approx(bubble_formula(stages, microbatches))
+    want = ([microbatches] * stages if name == "gpipe"
+            else [min(stages - k, microbatches) for k in range(stages)])
+    assert [s.in_flight(k) for k in range(stages)] == want
+    # each stage runs every microbatch's forward before its backward, once each
+    for k in range(stages):
+        seq = s.per_stage(k)
+        assert sorted(seq) == sorted((j, p) for j in range(microbatches)
+                                     for p in (FORWARD, BACKWARD))
+        assert all(seq.index((j, FORWARD)) < seq.index((j, BACKWARD))
+                   for j in range(microbatches))
+    # the dispatch order keeps each stage's own order
+    assert [(j, p) for st, j, p in s.order if st == 0] == s.per_stage(0)
+
+
+def test_split_of_a_two_layer_step():
+    def step(ws, x):
+        loss = lambda ws: jnp.mean(jnp.tanh(jnp.tanh(x @ ws[0]) @ ws[1]))  # noqa: E731
+        value, g = jax.value_and_grad(loss)(ws)
+        return [w - 0.1 * d for w, d in zip(ws, g)], value
+
+    cj = jax.make_jaxpr(step)([jnp.ones((8, 8))] * 2, jnp.ones((4, 8)))
+    split = split_step(cj, num_layers=2, stage_starts=(0, 1))
+    assert [(t.stage, t.phase) for t in split.tasks] == [
+        (0, FORWARD), (1, FORWARD), (1, BACKWARD), (0, BACKWARD), (1, UPDATE), (0, UPDATE)]
+    # each weight is updated on the stage that uses it, and kept there
+    assert split.homes({0: 0, 1: 1}) == [0, 1, 0]
+    with pytest.raises(PlanError, match="must begin at layer 0"):
+        split_step(cj, num_layers=2, stage_starts=(1,))
+
+
+def _grad_step(spec):
+    def grads(model, batch):
+        return nnx.value_and_grad(spec.loss)(model, batch)
+    return grads
+
+
+@pytest.mark.parametrize("method,schedule_name", [("pp_dp", "1f1b"), ("pp_tp", "gpipe")])
+def test_loss_and_gradients_match_one_device(mesh, method, schedule_name):
+    spec = zoo.get("gpt-tiny")
+    batch = spec.batch(16, 0)
+    options = spmd.SearchOptions(compare=False,
+                                 pipeline=PipelineOptions(schedule=schedule_name))
+    step = spmd.parallelize(_grad_step(spec), mesh=mesh, method=method, options=options)
+    model = spec.create(0)
+    plan = step.plan_for(nnx.eval_shape(lambda: spec.create(0)), batch)
+    assert len(plan.stages) == 2 and plan.microbatches == 4
+    assert plan.schedule.name == schedule_name
+    loss, grads = step(model, batch)
+    with jax.default_device(jax.devices()[0]):
+        want_loss, want = jax.jit(_grad_step(spec))(spec.create(0), batch)
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+    for (path, got), ref in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want)):
+        ref = np.asarray(ref)
+        scale = max(float(np.abs(ref).max()), 1e-6)
+        np.testing.assert_allclose(np.asarray(got), ref, atol=1e-5 * scale, rtol=1e-4,
+                                   err_msg=f"{method} {jax.tree_util.keystr(path)}")
+    # each stage ran on its own four devices
+    devices = [set(st.mesh.device_ids) for st in plan.stages]
+    assert devices == [{0, 1, 2, 3}, {4, 5, 6, 7}]
+
+
+def test_training_matches_one_device_and_schedules_agree(mesh):
+    spec = zoo.get("gpt-tiny")
+    batch = spec.batch(16, 0)
+    options = spmd.SearchOptions(compare=False)  # 1F1B, 2 x stages microbatches
+    step = spmd.parallelize(spec.train_step, mesh=mesh, method="pp_dp", options=options)
+    plan = step.plan_for(*spmd.eval_shape(spec.training_state), batch)
+    net, opt = spmd.materialize(spec.training_state, plan)
+    for leaf, array, home in zip(plan.leaves, jax.tree.leaves(nnx.state((net, opt))),
+                                 plan.homes()):  # built on the stage that keeps it
+        assert {d.id for d in array.devices()} == {
+            jax.devices()[i].id for i in plan.stages[home].mesh.device_ids}, leaf.path
+    losses = [float(step(net, opt, batch)["loss"]) for _ in range(2)]
+    ref_net, ref_opt = spec.training_state()
+    ref_step = nnx.jit(spec.train_step)
+    ref = [float(ref_step(ref_net, ref_opt, batch)["loss"]) for _ in range(2)]
+    np.testing.assert_allclose(losses, ref, rtol=1e-5)
+    # GPipe runs the same programs in another order: the same new state and loss
+    pipeline = step._prepare((net, opt, batch)).executable.pipeline
+    leaves = plan.signature.flatten_args((net, opt, batch))
+    one_f_one_b = pipeline(leaves)
+    gpipe = pipeline.rescheduled(schedule("gpipe", 2, plan.microbatches))(leaves)
+    for a, b in zip(one_f_one_b, gpipe):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+def test_clear_errors(mesh):
+    spec = zoo.get("gpt-tiny")
+    abstract = spmd.eval_shape(spec.training_state)
+    with pytest.raises(PlanError, match="axes \\['data', 'model'\\].*cpu-pp"):
+        spmd.plan(spec.train_step, *abstract, spec.batch(8), mesh=spmd.load_mesh("cpu-8"),
+                  method="pp_dp")
+    odd = spmd.SearchOptions(pipeline=PipelineOptions(microbatches=3))
+    with pytest.raises(PlanError, match="8 rows cannot be cut into 3 equal microbatches"):
+        spmd.plan(spec.train_step, *abstract, spec.batch(8), mesh=mesh, method="pp_dp",
+                  options=odd)
+    with pytest.raises(PlanError, match="pp_dp, pp_tp, pp_fsdp"):
+        spmd.parallelize(spec.train_step, mesh=mesh, method="pp_nope")
