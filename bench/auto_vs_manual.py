@@ -46,6 +46,7 @@ except ImportError:  # python -m bench.auto_vs_manual
     from bench import common
 
 from spmd.analysis import verify
+from spmd.options import PipelineOptions
 
 SECTION = "## Auto vs hand-written plans (bench/auto_vs_manual.py)"
 
@@ -138,6 +139,7 @@ def run_case(model_name: str, mesh_name: str, time_limit: float, steps: int) -> 
     # Hand-written plans scored as accurately as the search itself (CP-SAT refining each,
     # up to the same limit): the criteria compare auto with the best of them.
     options = spmd.SearchOptions(time_limit=time_limit, compare=True, cache=False,
+                                 pipeline=PipelineOptions(max_stages=1),
                                  score_refine=True, score_time_limit=time_limit)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

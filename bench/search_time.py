@@ -61,6 +61,7 @@ def run_case(layers: int, time_limit: float | None, compare: bool, wide: bool) -
 
     from spmd import zoo
     import spmd
+    from spmd.options import PipelineOptions
 
     mesh = spmd.load_mesh(COMPARE_MESH if wide else MESH, virtual=True)
     base = zoo.get("gpt-tiny")
@@ -70,7 +71,8 @@ def run_case(layers: int, time_limit: float | None, compare: bool, wide: bool) -
     abstract_model, abstract_opt = nnx.eval_shape(spec.training_state)
     abstract_batch = jax.eval_shape(lambda: spec.batch(batch_size, 0))
     kwargs = {} if time_limit is None else {"time_limit": time_limit}
-    options = spmd.SearchOptions(cache=False, compare=compare, **kwargs)
+    options = spmd.SearchOptions(cache=False, compare=compare,
+                                 pipeline=PipelineOptions(max_stages=1), **kwargs)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         t0 = time.perf_counter()

@@ -20,6 +20,7 @@ from spmd.runtime.compile import Executable, prepare
 from spmd.runtime.pipeline import PipelineExecutable
 from spmd.runtime.nodes import NodeStateCache, StateRead
 from spmd.sharding import Spec, replicated
+from spmd.stages.auto import considers_pipelines, plan_two_level
 from spmd.stages.manual import PIPELINE_METHODS, is_pipeline, plan_manual_pipeline
 from spmd.stages.plan import PipelinePlan
 from spmd.timing import Stopwatch
@@ -65,11 +66,46 @@ def plan(step_fn: Callable, *example_args: Any, mesh: DeviceMesh, method: str = 
             sig = StepSignature(step_fn, example_args, logical_axes=logical_axes,
                                 batch_argnums=batch_argnums)
         if method == "auto":
-            return plan_auto(sig, mesh, options or SearchOptions(), timings)
+            return _plan_auto_levels(sig, example_args, mesh, options or SearchOptions(),
+                                     logical_axes, timings)
         if is_pipeline(method):
             return plan_manual_pipeline(sig, example_args, mesh, method,
                                         options or SearchOptions(), logical_axes)
         return plan_manual(sig, mesh, method, options)
+
+
+def _plan_auto_levels(sig: StepSignature, args: Sequence[Any], mesh: DeviceMesh,
+                      options: SearchOptions, logical_axes: Any,
+                      timings: Stopwatch) -> Plan | PipelinePlan:
+    """Auto: the single-stage plan, and where pipelines can win (``considers_pipelines``)
+    the best two-level one beside it; the faster is returned, the other named among its
+    alternatives. ``min_stages`` >= 2 leaves the single-stage plan out."""
+    if not considers_pipelines(mesh, options):
+        return plan_auto(sig, mesh, options, timings)
+    single, why_single = None, None
+    if options.pipeline.min_stages < 2:
+        try:
+            single = plan_auto(sig, mesh, options, timings)
+        except InfeasibleError as err:
+            why_single = f"not a candidate: {err}"
+    try:
+        staged = plan_two_level(sig, args, mesh, options, logical_axes, timings)
+    except (InfeasibleError, PlanError) as err:
+        if single is None:
+            raise
+        single.alternatives["pipeline (auto)"] = f"not a candidate: {err}"
+        return single
+    if single is not None and single.prediction.total_time <= staged.prediction.total_time:
+        pred = staged.prediction
+        single.alternatives["pipeline (auto)"] = (
+            f"slower: predicted {pred.total_time * 1e3:.3f} ms, "
+            f"{pred.memory_bytes / 2**20:.2f} MiB, with {len(staged.stages)} stages and "
+            f"{staged.microbatches} microbatches")
+        return single
+    staged.alternatives["single stage (auto)"] = (single.prediction if single is not None
+                                                  else why_single or "not considered "
+                                                  "(PipelineOptions.min_stages >= 2)")
+    return staged
 
 
 def plan_manual(sig: StepSignature, mesh: DeviceMesh, method: str,
@@ -299,8 +335,11 @@ def materialize(create_fn: Callable[[], Any], p: Plan) -> Any:
         by_devices.setdefault(frozenset(sharding.device_set), []).append(i)
     flat: list[Any] = [None] * len(flat_shardings)
     for chosen in by_devices.values():
-        part = jax.jit(lambda: [build()[i] for i in chosen],
-                       out_shardings=[flat_shardings[i] for i in chosen])()
+        def pick(chosen=chosen):
+            leaves = build()
+            return [leaves[i] for i in chosen]
+
+        part = jax.jit(pick, out_shardings=[flat_shardings[i] for i in chosen])()
         for i, x in zip(chosen, part):
             flat[i] = x
     made = nnx.merge(graphdef, jax.tree.unflatten(state_def, flat))

@@ -153,8 +153,8 @@ class PipelineOptions:
       min_stages: auto plans with fewer stages are not considered (2 forces a pipeline).
       max_stages: auto plans with more stages are not considered (1: no pipeline).
       layers: how many layers the step's forward pass is cut into (stages hold contiguous
-        ranges of them); None: as many as the hand-written plan has stages, or for auto
-        the finest cut up to 16 that the model's blocks allow.
+        ranges of them); None: as many as a hand-written plan has stages, or for auto 8
+        (``spmd.stages.auto.MAX_LAYERS``).
     """
 
     stage_axis: str = "stage"

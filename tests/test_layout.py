@@ -24,9 +24,10 @@ LAYERS = [
     {"spmd.search.fusion", "spmd.search.layout", "spmd.search.costgraph", "spmd.search.encode",
      "spmd.search.predict", "spmd.search.intra_op", "spmd.search.regions",
      "spmd.search.memory_fit"},
-    {"spmd.stages.split", "spmd.stages.schedule", "spmd.stages.price"},  # inter-op level
+    {"spmd.stages.split", "spmd.stages.schedule", "spmd.stages.price",
+     "spmd.stages.dp"},  # the inter-op level
     {"spmd.plan", "spmd.explain", "spmd.logical", "spmd.manual", "spmd.stages.plan"},
-    {"spmd.planner", "spmd.cache", "spmd.stages.manual"},
+    {"spmd.planner", "spmd.cache", "spmd.stages.manual", "spmd.stages.auto"},
     {"spmd.runtime.constrain", "spmd.runtime.compile", "spmd.runtime.nodes",
      "spmd.runtime.pipeline"},
     {"spmd.analysis.hlo", "spmd.analysis.reconcile", "spmd.analysis.report", "spmd.data"},

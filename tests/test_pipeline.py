@@ -128,3 +128,29 @@ def test_clear_errors(mesh):
                   options=odd)
     with pytest.raises(PlanError, match="pp_dp, pp_tp, pp_fsdp"):
         spmd.parallelize(spec.train_step, mesh=mesh, method="pp_nope")
+
+
+def test_auto_pipeline_matches_one_device(mesh):
+    """Auto forced to two stages: the stage search cuts the layers, each stage's plan is
+    searched on its submesh, and the run gives one device's loss and gradients."""
+    spec = zoo.get("gpt-tiny")
+    batch = spec.batch(16, 0)
+    options = spmd.SearchOptions(time_limit=2, pipeline=PipelineOptions(
+        min_stages=2, max_stages=2, layers=4, microbatches=4))
+    step = spmd.parallelize(_grad_step(spec), mesh=mesh, options=options)
+    plan = step.plan_for(nnx.eval_shape(lambda: spec.create(0)), batch)
+    assert plan.method == "auto" and len(plan.stages) == 2 and plan.microbatches == 4
+    assert [(st.start, st.stop) for st in plan.stages] in ([(0, 1), (1, 4)], [(0, 2), (2, 4)],
+                                                            [(0, 3), (3, 4)])
+    assert plan.search["region_searches"] > 0
+    assert "single stage (auto)" in plan.alternatives
+    text = plan.describe()
+    assert "2 stages over 4 layers, 4 microbatches" in text and "bubble" in text
+    loss, grads = step(spec.create(0), batch)
+    with jax.default_device(jax.devices()[0]):
+        want_loss, want = jax.jit(_grad_step(spec))(spec.create(0), batch)
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+    for got, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
+        ref = np.asarray(ref)
+        np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-4,
+                                   atol=1e-5 * max(float(np.abs(ref).max()), 1e-6))

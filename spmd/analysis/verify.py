@@ -81,6 +81,9 @@ def compare(step_fn: Callable, *args: Any, mesh, options: SearchOptions | None =
     """
     kwargs = dict(logical_axes=logical_axes, batch_argnums=batch_argnums)
     options = options or SearchOptions()
+    # one program each, compiled and measured: auto's single-stage plan, not a pipeline
+    options = dataclasses.replace(options, pipeline=dataclasses.replace(
+        options.pipeline, max_stages=1, min_stages=1))
     if auto is None:
         auto = plan(step_fn, *args, mesh=mesh, method="auto", options=options, **kwargs)
     pins = user_pins(auto.leaves, options.logical_rules(), mesh)

@@ -41,6 +41,9 @@ from spmd.sharding import Spec
 
 __all__ = ["CostModel"]
 
+#: ``CostModel.shared``'s models, by what of a mesh prices a collective
+_SHARED: dict[str, "CostModel"] = {}
+
 
 class CostModel:
     """Seconds for collectives, resharding, FLOPs and memory traffic on one ``DeviceMesh``."""
@@ -49,6 +52,20 @@ class CostModel:
         self.mesh = mesh
         #: which collectives XLA emits on this mesh (priced here)
         self.partitioner = Partitioner(mesh)
+        #: reshard answers by (shape, dtype, src, dst): the same on every mesh of this shape
+        self._reshards: dict[tuple, tuple[float, tuple[Collective, ...]]] = {}
+
+    @classmethod
+    def shared(cls, mesh: DeviceMesh) -> "CostModel":
+        """The one model of every mesh with these axes, links and devices (which devices
+        does not matter: a pipeline's stages, and every plan of one mesh, share its reshard
+        answers, most of a cost graph's making)."""
+        key = repr((mesh.axis_names, mesh.axis_sizes, sorted(mesh.links.items()), mesh.device,
+                    mesh.platform, mesh.virtual, mesh.hosts))
+        model = _SHARED.get(key)
+        if model is None:
+            model = _SHARED[key] = cls(mesh)
+        return model
 
     def _ring(self, factor_fn, nbytes: float, axes) -> float:
         axes = self.partitioner.active(axes)
@@ -105,8 +122,12 @@ class CostModel:
                 dst: Spec) -> tuple[float, tuple[Collective, ...]]:
         """Seconds and collectives to turn an array of full ``shape`` from ``src`` into ``dst``
         (``Partitioner.reshard`` says which collectives)."""
-        colls = self.partitioner.reshard(shape, dtype, src, dst)
-        return sum(self.time(c) for c in colls), colls
+        key = (tuple(shape), dtype, src, dst)
+        hit = self._reshards.get(key)
+        if hit is None:
+            colls = self.partitioner.reshard(shape, dtype, src, dst)
+            hit = self._reshards[key] = (sum(self.time(c) for c in colls), colls)
+        return hit
 
     # -- compute ----------------------------------------------------------------------------
     def compute(self, flops: float, dtype, matmul: float | None = None,

@@ -98,6 +98,9 @@ class Pipeline:
                                 f"and only floating values can be averaged over microbatches")
         self.home = split.homes(self.output_aliases)
         self.programs = {(t.stage, t.phase): self._program(t) for t in split.tasks}
+        #: the last call's copies between stages: (to stage, what, bytes per device), what
+        #: being "activation" (a forward or backward value of a microbatch) or "state"
+        self.transfers: list[tuple[int, str, int]] = []
         #: per task: its jitted program and the arguments of the last call (``compiled``)
         self._last_args: dict[str, tuple[Any, list[Any]]] = {}
         #: per microbatch-phase value: how many of one microbatch's tasks read it
@@ -118,6 +121,7 @@ class Pipeline:
         other = copy.copy(self)
         other.schedule = sched
         other._last_args = {}
+        other.transfers = []
         return other
 
     # -- placement ---------------------------------------------------------------------------
@@ -125,9 +129,11 @@ class Pipeline:
         spec = self.stages[stage].input_specs[leaf]
         return NamedSharding(self.meshes[stage], to_partition_spec(spec))
 
-    def _onto(self, x: Any, stage: int, sharding: NamedSharding | None = None) -> Any:
+    def _onto(self, x: Any, stage: int, sharding: NamedSharding | None = None,
+              what: str = "state") -> Any:
         """``x`` on the stage's devices: as it is if already there, else copied with its
-        partition spec (or ``sharding``)."""
+        partition spec (or ``sharding``); a copy between stages is counted in
+        ``transfers``."""
         if sharding is None:
             if isinstance(x, jax.Array) and set(x.devices()) == self._devices[stage]:
                 return x
@@ -136,7 +142,11 @@ class Pipeline:
             sharding = NamedSharding(self.meshes[stage], spec)
         elif isinstance(x, jax.Array) and x.sharding == sharding:
             return x
-        return jax.device_put(x, sharding)
+        moved = jax.device_put(x, sharding)
+        if isinstance(x, jax.Array) and set(x.devices()) != self._devices[stage]:
+            per_device = max(shard.data.nbytes for shard in moved.addressable_shards)
+            self.transfers.append((stage, what, per_device))
+        return moved
 
     def place(self, leaves: Sequence[Any]) -> list[Any]:
         """The state leaves on their home stages in their specs (batch leaves as given)."""
@@ -235,7 +245,17 @@ class Pipeline:
                 copies[stage, i] = self._onto(leaves[i], stage, self._sharding(stage, i))
             return copies[stage, i]
 
-        envs: list[dict[Value, Any]] = [{} for _ in range(self.schedule.microbatches)]
+        self.transfers.clear()
+
+        def moved(env: dict, v: Value, stage: int) -> Any:
+            """A microbatch's value on ``stage``, copied there once however many of its
+            tasks read it."""
+            key = (v, stage)
+            if key not in env:
+                env[key] = self._onto(env[v], stage, what="activation")
+            return env[key]
+
+        envs: list[dict[Any, Any]] = [{} for _ in range(self.schedule.microbatches)]
         left: list[dict[Value, int]] = [dict(self._readers) for _ in envs]
         sums: dict[Value, Any] = {}
         for stage, j, phase in self.schedule.order:
@@ -244,7 +264,7 @@ class Pipeline:
                 continue
             env = envs[j]
             args = [step_input(v, stage, j) if graph.nodes[v.node].kind == "input"
-                    else self._onto(env[v], stage) for v in program.reads]
+                    else moved(env, v, stage) for v in program.reads]
             region = program.task.region
             if j == 0 or not program.accumulates:
                 self._last_args[program.task.name] = (program.first, args)
@@ -262,6 +282,8 @@ class Pipeline:
                     left[j][v] -= 1
                     if left[j][v] == 0:
                         env.pop(v, None)
+                        for s in range(len(self.stages)):
+                            env.pop((v, s), None)
             for v in region.outputs:
                 if v not in left[j] and v in env:  # read by no microbatch task at all
                     del env[v]

@@ -158,7 +158,7 @@ class CostGraph:
             raise PlanError(f"search: {len(inputs)} InputInfo given but the step has "
                             f"{len(graph.inputs)} flat inputs")
         self.graph, self.mesh = graph, mesh
-        self.cost = CostModel(mesh)
+        self.cost = CostModel.shared(mesh)
         self.inputs = list(inputs)
         self.mesh_shape = mesh.shape
         self.aliases = dict(output_aliases)

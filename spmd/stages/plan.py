@@ -137,8 +137,7 @@ class PipelinePlan:
                      f"{self.schedule.in_flight(s):4d} "
                      f"{c.memory(self.schedule.in_flight(s)) / 2**30:7.3f} "
                      f"{c.sent / 1e6:8.2f}") if c is not None else "(not priced)"
-            devices = f"{st.mesh.name} {dict(st.mesh.shape)}"
-            out.write(f"{s:5d}  {st.start:>3}-{st.stop - 1:<3}  {devices[:28]:<28} "
+            out.write(f"{s:5d}  {st.start:>3}-{st.stop - 1:<3}  {_devices(st.mesh):<28} "
                       f"{st.method:<8} {cells}\n")
         pred = self.prediction
         if pred is not None:
@@ -158,3 +157,12 @@ class PipelinePlan:
     def _micro_rows(self) -> str:
         rows = {leaf.shape[0] for leaf in self.micro.leaves if leaf.kind == "batch" and leaf.shape}
         return ", ".join(str(r) for r in sorted(rows)) or "?"
+
+
+def _devices(mesh: DeviceMesh) -> str:
+    """A stage's devices in a few characters: ``4 (4-7) data=2 model=2``."""
+    ids = mesh.device_ids or tuple(range(mesh.size))
+    span = (f"{ids[0]}-{ids[-1]}" if list(ids) == list(range(ids[0], ids[-1] + 1))
+            else ",".join(map(str, ids[:4])) + ("..." if len(ids) > 4 else ""))
+    shape = " ".join(f"{a}={n}" for a, n in mesh.shape.items() if n > 1)
+    return f"{mesh.size} ({span}) {shape}"[:28]

@@ -32,30 +32,59 @@ from spmd.sharding import bytes_per_device
 from spmd.stages.split import BACKWARD, FORWARD, UPDATE, LayeredStep
 from spmd.trace.graph import Value
 
-__all__ = ["StageCost", "price_stage"]
+__all__ = ["StageCost", "combine", "link_time", "price_stage"]
 
 
 @dataclasses.dataclass(frozen=True)
 class StageCost:
-    """A stage's prediction (seconds; bytes per device of its submesh)."""
+    """A stage's prediction (seconds; bytes per device of its submesh). Ranges of layers
+    priced one by one add up (``combine``): times, state and residuals add, the transient
+    working memory is the largest of theirs."""
 
-    forward: float         # one microbatch's forward, with its sends
-    backward: float        # one microbatch's backward, with its sends
+    forward: float         # one microbatch's forward (sends to other stages included)
+    backward: float        # one microbatch's backward (sends included)
     update: float          # the update, once per step
-    peak: float            # the larger of the forward's and backward's own peaks
-    residuals: float       # one microbatch's forward values its backward reads
+    params: float          # the step inputs the forward and backward read (parameters)
     state: float           # what the update alone reads (optimizer state)
     sums: float            # the gradient sums (accumulated over microbatches)
-    update_peak: float
-    sent: float            # bytes per device sent to other stages per microbatch
-    comm: float            # seconds of the tasks' own collectives per microbatch, and update's
+    residuals: float       # one microbatch's forward values its backward reads
+    work: float            # the forward's or backward's peak beyond params and residuals
+    update_work: float     # the update's peak beyond params, state and sums
+    sent_forward: float    # bytes per device the forward sends to later layers
+    sent_backward: float   # bytes per device the backward sends to earlier layers
+    comm: float            # seconds of collectives: forward and backward, plus the update
     plans: Mapping[str, RegionPlan] = dataclasses.field(default_factory=dict, repr=False)
     fits: bool = True      # every task's search found a plan under the device's memory
 
+    @property
+    def sent(self) -> float:
+        return self.sent_forward + self.sent_backward
+
     def memory(self, in_flight: int) -> float:
         """Peak bytes per device with ``in_flight`` microbatches' residuals held."""
-        micro = self.state + self.sums + self.peak + max(in_flight - 1, 0) * self.residuals
-        return max(micro, self.update_peak)
+        held = self.params + self.state + self.sums
+        return held + max(max(in_flight, 1) * self.residuals + self.work, self.update_work)
+
+
+def link_time(nbytes: float, link: Link | None) -> float:
+    """Seconds to send ``nbytes`` per device over ``link`` (0 without one or bytes)."""
+    return nbytes / link.bandwidth + link.latency if link is not None and nbytes else 0.0
+
+
+def combine(costs: Sequence[StageCost], link: Link | None, first: bool, last: bool
+            ) -> StageCost:
+    """Consecutive layers' costs (each priced without sends) as one stage: what crosses
+    its outer cuts goes over ``link`` (none before the ``first`` stage or after the
+    ``last``)."""
+    add = lambda name: sum(getattr(c, name) for c in costs)  # noqa: E731
+    forward_send = 0.0 if last else costs[-1].sent_forward
+    backward_send = 0.0 if first else costs[0].sent_backward
+    return StageCost(
+        add("forward") + link_time(forward_send, link),
+        add("backward") + link_time(backward_send, link),
+        add("update"), add("params"), add("state"), add("sums"), add("residuals"),
+        max(c.work for c in costs), max(c.update_work for c in costs),
+        forward_send, backward_send, add("comm"), fits=all(c.fits for c in costs))
 
 
 def price_stage(layered: LayeredStep, start: int, stop: int, mesh: DeviceMesh, *,
@@ -66,7 +95,7 @@ def price_stage(layered: LayeredStep, start: int, stop: int, mesh: DeviceMesh, *
 
     ``step_inputs``: the microbatch step's InputInfos (pins: a hand-written plan's specs on
     this submesh, or the user's); ``send_link``: the link to the neighbouring stages (None:
-    the stage is the whole pipeline).
+    sends are counted in bytes, not time).
     """
     regions = layered.regions(start, stop)
     graph, layer, phase = layered.graph, layered.layer, layered.phase
@@ -94,27 +123,25 @@ def price_stage(layered: LayeredStep, start: int, stop: int, mesh: DeviceMesh, *
         return any(not start <= layer[c] < stop and phase[c] != UPDATE
                    for c in graph.nodes[v.node].consumers)
 
-    seconds = {}
-    sent = 0.0
+    seconds, sent = {FORWARD: 0.0, BACKWARD: 0.0}, {FORWARD: 0.0, BACKWARD: 0.0}
     for p in (FORWARD, BACKWARD):
-        if p not in plans:
-            seconds[p] = 0.0
-            continue
-        out = [v for v in regions[p].outputs if outside(v)]
-        nbytes = sum(size(v, p) for v in out)
-        sent += nbytes
-        link = 0.0 if send_link is None or not out else (nbytes / send_link.bandwidth
-                                                         + send_link.latency)
-        seconds[p] = plans[p].prediction.total_time + link
+        if p in plans:
+            sent[p] = sum(size(v, p) for v in regions[p].outputs if outside(v))
+            seconds[p] = plans[p].prediction.total_time + link_time(sent[p], send_link)
     bwd_reads = set(regions[BACKWARD].inputs) if BACKWARD in regions else set()
     residuals = (sum(size(v, FORWARD) for v in regions[FORWARD].outputs if v in bwd_reads)
                  if FORWARD in regions else 0)
-    micro_inputs = {v for p in (FORWARD, BACKWARD) if p in regions for v in regions[p].inputs}
+    params = 0.0
+    micro_inputs: set[Value] = set()
+    for p in (FORWARD, BACKWARD):
+        for v in regions[p].inputs if p in regions else ():
+            if graph.nodes[v.node].kind == "input" and v not in micro_inputs:
+                micro_inputs.add(v)
+                params += size(v, p, output=False)
     state = sums = 0.0
     update_time = update_peak = update_comm = 0.0
     if UPDATE in plans:
-        upd = regions[UPDATE]
-        for v in upd.inputs:
+        for v in regions[UPDATE].inputs:
             node = graph.nodes[v.node]
             if node.kind == "input" and v not in micro_inputs:
                 state += size(v, UPDATE, output=False)
@@ -126,5 +153,7 @@ def price_stage(layered: LayeredStep, start: int, stop: int, mesh: DeviceMesh, *
     peak = max((plans[p].prediction.memory_bytes for p in (FORWARD, BACKWARD) if p in plans),
                default=0.0)
     comm = sum(plans[p].prediction.comm_time for p in (FORWARD, BACKWARD) if p in plans)
-    return StageCost(seconds[FORWARD], seconds[BACKWARD], update_time, peak, residuals,
-                     state, sums, update_peak, sent, comm + update_comm, plans, fits)
+    return StageCost(seconds[FORWARD], seconds[BACKWARD], update_time, params, state, sums,
+                     residuals, max(peak - params - residuals, 0.0),
+                     max(update_peak - params - state - sums, 0.0), sent[FORWARD],
+                     sent[BACKWARD], comm + update_comm, plans, fits)

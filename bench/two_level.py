@@ -1,0 +1,203 @@
+"""Two-level plans (issue 15): pipeline stages found by the stage search beside the
+single-stage auto plan and the hand-written pipeline plans, predicted step time, for GPTs
+on virtual A100 clusters (nothing materialized; planned on this CPU box).
+
+    python bench/two_level.py                       # gpt-2.6b, 6.7b, 13b on a100-2x8, a100-8x8
+    python bench/two_level.py --models gpt-2.6b --meshes a100-2x8
+
+For each case: auto at one level (``PipelineOptions(max_stages=1)``: the intra-op search
+with remat where memory needs it), auto at two levels forced to >= 2 stages (the stage
+search), and ``pp_dp``, ``pp_tp``, ``pp_fsdp`` with their stages along the host axis
+(``data``: one stage per host, 2x the stages microbatches). The two-level auto plan is the
+faster of the first two (``spmd.plan``'s choice). Each case runs in a subprocess of its own
+with a time limit.
+
+Writes bench/results/two_level.json and the section "## Two-level plans
+(bench/two_level.py)" of bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+try:  # run as a script (python bench/two_level.py): bench/ is on sys.path
+    import common
+except ImportError:  # python -m bench.two_level
+    from bench import common
+
+SECTION = "## Two-level plans (bench/two_level.py)"
+MODELS = ["gpt-2.6b", "gpt-6.7b", "gpt-13b"]
+MESHES = ["a100-2x8", "a100-8x8"]
+#: global batch (sequences of 1024 tokens) per mesh: 2 per GPU
+BATCH = {"a100-2x8": 32, "a100-8x8": 128}
+HAND_WRITTEN = ["pp_dp", "pp_tp", "pp_fsdp"]
+
+
+def _timed(fn) -> tuple[Any, float]:
+    start = time.perf_counter()
+    return fn(), time.perf_counter() - start
+
+
+def run_case(model: str, mesh_name: str, time_limit: float) -> dict[str, Any]:
+    import jax
+    from flax import nnx
+
+    import spmd
+    from spmd import zoo
+    from spmd.options import PipelineOptions
+    from spmd.stages.auto import plan_two_level
+    from spmd.trace.signature import StepSignature
+
+    spec = zoo.get(model)
+    mesh = spmd.load_mesh(mesh_name, virtual=True)
+    batch = BATCH[mesh_name]
+    args = (*nnx.eval_shape(spec.training_state), jax.eval_shape(lambda: spec.batch(batch, 0)))
+    tokens = spec.items_per_batch(batch)
+    out: dict[str, Any] = {"model": model, "mesh": mesh_name, "batch": batch,
+                           "tokens_per_step": tokens}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            single, seconds = _timed(lambda: spmd.plan(
+                spec.train_step, *args, mesh=mesh, options=spmd.SearchOptions(
+                    cache=False, time_limit=time_limit,
+                    pipeline=PipelineOptions(max_stages=1))))
+            out["single"] = {"time": single.prediction.total_time,
+                             "memory": single.prediction.memory_bytes, "seconds": seconds,
+                             "remat": single.remat.summary() if single.remat else "none"}
+        except spmd.SpmdError as err:
+            out["single"] = {"error": str(err)}
+        full = StepSignature(spec.train_step, args)
+        try:
+            staged, seconds = _timed(lambda: plan_two_level(
+                full, args, mesh, spmd.SearchOptions(cache=False, time_limit=time_limit,
+                                                     pipeline=PipelineOptions(min_stages=2))))
+            pred = staged.prediction
+            out["staged"] = {
+                "time": pred.total_time, "memory": pred.memory_bytes, "seconds": seconds,
+                "stages": [(st.start, st.stop) for st in staged.stages],
+                "devices_per_stage": staged.stages[0].mesh.size,
+                "microbatches": staged.microbatches, "bubble": pred.bubble_fraction,
+                "layers": staged.num_layers, "search": staged.search}
+        except spmd.SpmdError as err:
+            out["staged"] = {"error": str(err)}
+        for method in HAND_WRITTEN:
+            try:
+                plan, seconds = _timed(lambda: spmd.plan(
+                    spec.train_step, *args, mesh=mesh, method=method,
+                    options=spmd.SearchOptions(cache=False, time_limit=time_limit,
+                                               pipeline=PipelineOptions(stage_axis="data"))))
+                fits = plan.prediction.memory_bytes <= mesh.device.memory_bytes
+                out[method] = {"time": plan.prediction.total_time,
+                               "memory": plan.prediction.memory_bytes, "fits": fits,
+                               "microbatches": plan.microbatches, "seconds": seconds}
+            except spmd.SpmdError as err:
+                out[method] = {"error": str(err)}
+    return out
+
+
+def _subprocess(model: str, mesh: str, args) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "case.json"
+        cmd = [sys.executable, __file__, "--worker", model, mesh, "--time-limit",
+               str(args.time_limit), "--result", str(result)]
+        try:
+            subprocess.run(cmd, timeout=args.case_timeout, check=False)
+        except subprocess.TimeoutExpired:
+            return {"model": model, "mesh": mesh, "error": f"over {args.case_timeout} s"}
+        if not result.exists():
+            return {"model": model, "mesh": mesh, "error": "the worker wrote no result"}
+        return json.loads(result.read_text())
+
+
+def _ms(entry: dict | None) -> str:
+    if not entry or "time" not in entry:
+        return "n/a" if not entry else f"error: {entry['error'][:60]}"
+    fits = "" if entry.get("fits", True) else " (over memory)"
+    return f"{entry['time'] * 1e3:.1f}{fits}"
+
+
+def render(data: dict[str, Any]) -> str:
+    rows, notes = [], []
+    for case in data["cases"]:
+        if "error" in case:
+            rows.append([case["model"], case["mesh"], *["error"] * 8])
+            notes.append(f"- {case['model']} on {case['mesh']}: {case['error']}")
+            continue
+        single, staged = case.get("single", {}), case.get("staged", {})
+        hand = {m: case.get(m) for m in HAND_WRITTEN}
+        fitting = [h["time"] for h in hand.values() if h and "time" in h and h["fits"]]
+        best_hand = min(fitting) if fitting else None
+        options = [t for t in (single.get("time"), staged.get("time")) if t is not None]
+        auto = min(options) if options else None
+        ratio = (f"{single['time'] / staged['time']:.2f}" if "time" in single
+                 and "time" in staged else "n/a")
+        shape = (f"{len(staged['stages'])} x {staged['devices_per_stage']} dev, "
+                 f"B={staged['microbatches']}, bubble {staged['bubble']:.0%}"
+                 if "stages" in staged else "")
+        ok = (auto is not None and all(auto <= t * (1 + 1e-9) for t in options)
+              and (best_hand is None or auto <= best_hand * (1 + 1e-9)))
+        rows.append([case["model"], case["mesh"], _ms(single), _ms(staged), shape,
+                     *[_ms(hand[m]) for m in HAND_WRITTEN],
+                     f"{auto * 1e3:.1f}" if auto is not None else "n/a", ratio,
+                     "PASS" if ok else "FAIL",
+                     f"{staged.get('seconds', 0):.0f} s, "
+                     f"{(staged.get('search') or {}).get('region_searches', 0)} solves"])
+        for key in ("single", "staged", *HAND_WRITTEN):
+            if case.get(key, {}).get("error"):
+                notes.append(f"- {case['model']} on {case['mesh']}, {key}: "
+                             f"{case[key]['error']}")
+    headers = ["model", "mesh", "intra-only ms", "two-level (>= 2 stages) ms", "stages",
+               *[f"{m} ms" for m in HAND_WRITTEN], "auto ms", "intra / two-level",
+               "auto <= each", "stage search"]
+    lines = [f"Command: `{data['command']}`", "",
+             f"Machine: {common.machine_line(data['machine'])}. Date: {data['date']}.", "",
+             "Predicted step time (cost model, A100 datasheet figures; virtual meshes, nothing "
+             "run). Global batch: " + ", ".join(f"{k} {v}" for k, v in BATCH.items())
+             + " sequences of 1024 tokens, fp32. Intra-only: auto with "
+             "`PipelineOptions(max_stages=1)` (remat where memory needs it). Two-level: the "
+             "stage search forced to >= 2 stages (no remat inside stages yet). auto: the "
+             "faster of the two, what `spmd.plan` returns. Hand-written: stages along "
+             "`data` (one per host), 2 x stages microbatches; '(over memory)' marks a plan "
+             "over 40 GB per GPU. 'stage search': its seconds and intra-op solves.", "",
+             common.markdown_table(headers, rows), ""]
+    if notes:
+        lines += ["Errors:", "", *notes, ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--meshes", default=",".join(MESHES))
+    parser.add_argument("--time-limit", type=float, default=5.0,
+                        help="seconds per intra-op search")
+    parser.add_argument("--case-timeout", type=float, default=1800)
+    parser.add_argument("--worker", nargs=2, metavar=("MODEL", "MESH"), help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    common.add_output_arguments(parser, "two_level")
+    args = parser.parse_args(argv)
+    if args.worker:
+        return common.run_worker(lambda: run_case(*args.worker, args.time_limit),
+                                 {"model": args.worker[0], "mesh": args.worker[1]},
+                                 args.result)
+    out_json, md = common.outputs(args, "two_level")
+    cases = [_subprocess(model, mesh, args) for model in args.models.split(",")
+             for mesh in args.meshes.split(",")]
+    data = {"cases": cases, "date": common.utc_date(), "machine": common.machine(),
+            "command": common.command_line("bench/two_level.py",
+                                           None if argv is None else ["two_level.py", *argv])}
+    common.publish(data, out_json, md, SECTION, render)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""``method="auto"`` at two levels: pipeline stages found by the inter-op search
+(``spmd.stages.dp``) around the intra-op search of each stage, beside the single-stage plan.
+
+For each stage count ``p`` (powers of two dividing the mesh, within
+``PipelineOptions.min_stages``/``max_stages`` and the layers) and microbatch count ``B``
+(``2p`` and ``4p`` where the batch divides, or the one the options fix: fewer leave most
+of the pipeline idle, ``(p - 1) / (2p - 1)`` at ``p``), every layer
+is priced on a stage's submesh at that microbatch size, and ``best_partition`` cuts the
+layers. The best ``(p, B, cut)`` by predicted step time is then planned for real: each
+stage's layer range searched as one program on its submesh (its parameters and optimizer
+state get one spec, what its forward, backward and update programs then take), and its tasks
+priced again with those specs fixed, which is the prediction the plan reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+from spmd.cluster.mesh import DeviceMesh
+from spmd.errors import InfeasibleError, PlanError
+from spmd.logical import user_pins
+from spmd.options import SearchOptions
+from spmd.search.costgraph import InputInfo
+from spmd.search.regions import RegionCache, search_region
+from spmd.sharding import replicated
+from spmd.stages.dp import Partition, best_partition, carve, stage_link
+from spmd.stages.manual import micro_signature, shared_copy_time
+from spmd.stages.plan import PipelinePlan, StagePlan, predict
+from spmd.stages.price import price_stage
+from spmd.stages.schedule import schedule
+from spmd.stages.split import LayeredStep
+from spmd.trace.regions import Region
+from spmd.trace.signature import StepSignature
+from spmd.timing import Stopwatch
+
+__all__ = ["considers_pipelines", "plan_two_level"]
+
+#: the layers the step is cut into for the stage search (fewer if its forward pass has
+#: fewer ops): up to 8 stages, each layer priced once per submesh and microbatch size
+MAX_LAYERS = 8
+
+
+def considers_pipelines(mesh: DeviceMesh, options: SearchOptions) -> bool:
+    """Whether auto searches pipeline stages here: where they can win (a mesh over several
+    hosts, whose links between hosts are slow, or one with a stage axis) or are asked for
+    (``min_stages`` >= 2), unless ``max_stages`` is 1."""
+    pipe = options.pipeline
+    if pipe.max_stages == 1 or mesh.size == 1:
+        return False
+    return pipe.min_stages >= 2 or mesh.hosts > 1 or pipe.stage_axis in mesh.shape
+
+
+def _stage_counts(mesh: DeviceMesh, options: SearchOptions, layers: int) -> list[int]:
+    pipe = options.pipeline
+    top = min(pipe.max_stages or mesh.size, layers, mesh.size)
+    return [p for p in (2 ** k for k in range(1, top.bit_length()))
+            if max(pipe.min_stages, 2) <= p <= top and mesh.size % p == 0]
+
+
+def _microbatch_counts(rows: int, stages: int, options: SearchOptions) -> list[int]:
+    fixed = options.pipeline.microbatches
+    wanted = [fixed] if fixed else [2 * stages, 4 * stages]
+    return [m for m in wanted if rows % m == 0]
+
+
+def _inputs(micro: StepSignature, mesh: DeviceMesh, options: SearchOptions) -> list[InputInfo]:
+    pins = user_pins(micro.leaves, options.logical_rules(), mesh)
+    return [InputInfo(leaf.path, leaf.shape, leaf.dtype, leaf.kind, pin)
+            for leaf, pin in zip(micro.leaves, pins)]
+
+
+@dataclasses.dataclass
+class _Candidate:
+    stages: int
+    microbatches: int
+    partition: Partition
+    total: float
+
+
+def plan_two_level(full: StepSignature, args: Sequence[Any], mesh: DeviceMesh,
+                   options: SearchOptions, logical_axes: Any = None,
+                   timings: Stopwatch | None = None) -> PipelinePlan:
+    """The best pipeline plan of two or more stages (``InfeasibleError`` if none fits the
+    memory budget; ``PlanError`` if the step or mesh allows none)."""
+    timings = timings if timings is not None else Stopwatch()
+    pipe = options.pipeline
+    budget = mesh.device.memory_bytes if options.memory_budget is None else options.memory_budget
+    rows = min((leaf.shape[0] for leaf in full.leaves if leaf.kind == "batch" and leaf.shape),
+               default=0)
+    cache = RegionCache()
+    traced: dict[int, tuple[StepSignature, LayeredStep]] = {}
+    best: _Candidate | None = None
+    tried = 0
+    layers = pipe.layers or MAX_LAYERS
+    counts = _stage_counts(mesh, options, layers)
+    if not counts or not rows:
+        raise PlanError(f"mesh {mesh.name!r} ({mesh.size} devices) and this step allow no "
+                        f"pipeline of {max(pipe.min_stages, 2)} or more stages "
+                        f"(PipelineOptions min_stages={pipe.min_stages}, "
+                        f"max_stages={pipe.max_stages}, a batch of {rows} rows)")
+    for p in counts:
+        meshes = carve(mesh, p)
+        link = stage_link(mesh, meshes)
+        for m in _microbatch_counts(rows, p, options):
+            if m not in traced:
+                with timings.phase("stage_trace"):
+                    micro = micro_signature(full, args, m, logical_axes)
+                    count = min(layers, _forward_count(micro))
+                    traced[m] = (micro, LayeredStep(micro.jaxpr, count))
+            micro, layered = traced[m]
+            if p > layered.num_layers:
+                continue
+            inputs = _inputs(micro, meshes[0], options)
+            with timings.phase("stage_pricing"):
+                per_layer = [price_stage(layered, k, k + 1, meshes[0], step_inputs=inputs,
+                                         output_aliases=micro.output_aliases, send_link=None,
+                                         options=options, cache=cache)
+                             for k in range(layered.num_layers)]
+            sched = schedule(pipe.schedule, p, m)
+            with timings.phase("stage_dp"):
+                partition = best_partition(per_layer, sched, link, budget)
+            tried += 1
+            if partition is None:
+                continue
+            total = predict(partition.costs, sched).total_time
+            if best is None or total < best.total:
+                best = _Candidate(p, m, partition, total)
+    if best is None:
+        raise InfeasibleError(f"no pipeline of {', '.join(map(str, counts))} stages fits the "
+                              f"memory budget of {budget / 2**30:.2f} GiB per device")
+    with timings.phase("stage_plans"):
+        plan = _final_plan(full, mesh, options, traced[best.microbatches], best, cache)
+    plan.search = {"stage_counts": counts, "candidates": tried,
+                   "region_searches": cache.misses, "region_cache_hits": cache.hits,
+                   "timings": timings.as_dict()}
+    return plan
+
+
+def _forward_count(micro: StepSignature) -> int:
+    from spmd.trace.graph import build_graph
+    from spmd.trace.layers import forward_ops
+
+    return len(forward_ops(build_graph(micro.jaxpr)))
+
+
+def _final_plan(full: StepSignature, mesh: DeviceMesh, options: SearchOptions,
+                traced: tuple[StepSignature, LayeredStep], best: _Candidate,
+                cache: RegionCache) -> PipelinePlan:
+    """The chosen cut planned stage by stage: one search of each stage's whole layer range
+    fixes its inputs' specs, and its tasks are priced again with them."""
+    micro, layered = traced
+    meshes = carve(mesh, best.stages)
+    link = stage_link(mesh, meshes)
+    split = layered.split(best.partition.starts)
+    bounds = list(best.partition.starts) + [layered.num_layers]
+    inputs = _inputs(micro, meshes[0], options)
+    stages = []
+    for s, sub in enumerate(meshes):
+        nodes = [n.id for n in layered.graph.nodes
+                 if n.kind == "op" and bounds[s] <= layered.layer[n.id] < bounds[s + 1]]
+        region = Region(layered.graph, nodes)
+        whole = search_region(region, sub, step_inputs=inputs,
+                              output_aliases=micro.output_aliases, options=options, cache=cache)
+        specs = [replicated(len(leaf.shape)) for leaf in micro.leaves]
+        for v, spec in zip(region.inputs, whole.result.input_specs):
+            node = layered.graph.nodes[v.node]
+            if node.kind == "input":
+                specs[node.input_index] = spec
+        pinned = [dataclasses.replace(i, pinned=specs[k]) for k, i in enumerate(inputs)]
+        scoring = dataclasses.replace(options, time_limit=options.scoring()[0])
+        cost = price_stage(layered, bounds[s], bounds[s + 1], sub, step_inputs=pinned,
+                           output_aliases=micro.output_aliases, send_link=link,
+                           options=scoring, cache=cache)
+        stages.append(StagePlan(bounds[s], bounds[s + 1], sub, "auto", specs, cost))
+    sched = schedule(options.pipeline.schedule, best.stages, best.microbatches)
+    plan = PipelinePlan("auto", mesh, full.leaves, layered.num_layers, stages, sched, split,
+                        full, micro)
+    copies = sum(shared_copy_time(split, micro.leaves, st.input_specs, st.mesh, link)
+                 for st in stages[:1])
+    plan.prediction = predict([st.cost for st in stages], sched, copy_time=copies)
+    return plan
