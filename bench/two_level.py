@@ -46,7 +46,33 @@ def _timed(fn) -> tuple[Any, float]:
     return fn(), time.perf_counter() - start
 
 
-def run_case(model: str, mesh_name: str, time_limit: float) -> dict[str, Any]:
+def compile_stage(plan, stage: int = 0) -> dict[str, Any]:
+    """Stage ``stage``'s forward, backward and update programs compiled on as many
+    simulated CPU devices (shapes only), their collectives read as the mesh's platform
+    emits them, beside the prediction for them."""
+    import jax
+
+    import spmd
+    from spmd.runtime.compile import jit_region
+
+    st = plan.stages[stage]
+    out = {}
+    for phase, region_plan in st.cost.plans.items():
+        avals = [jax.ShapeDtypeStruct(i.shape, i.dtype) for i in region_plan.inputs]
+        start = time.perf_counter()
+        compiled = jit_region(region_plan, st.mesh).lower(*avals).compile()
+        report = spmd.analyze(compiled).on_platform(st.mesh.platform)
+        out[phase] = {"seconds": time.perf_counter() - start,
+                      "compiled_bytes": sum(b for _, b in report.collectives.values()),
+                      "predicted_bytes": region_plan.prediction.collective_bytes,
+                      "compiled": {k: list(v) for k, v in report.collectives.items()},
+                      "predicted": {k: list(v)
+                                    for k, v in region_plan.prediction.collectives.items()}}
+    return out
+
+
+def run_case(model: str, mesh_name: str, time_limit: float, compile_it: bool
+             ) -> dict[str, Any]:
     import jax
     from flax import nnx
 
@@ -68,7 +94,7 @@ def run_case(model: str, mesh_name: str, time_limit: float) -> dict[str, Any]:
         try:
             single, seconds = _timed(lambda: spmd.plan(
                 spec.train_step, *args, mesh=mesh, options=spmd.SearchOptions(
-                    cache=False, time_limit=time_limit,
+                    cache=False, time_limit=time_limit, compare=False,
                     pipeline=PipelineOptions(max_stages=1))))
             out["single"] = {"time": single.prediction.total_time,
                              "memory": single.prediction.memory_bytes, "seconds": seconds,
@@ -87,6 +113,8 @@ def run_case(model: str, mesh_name: str, time_limit: float) -> dict[str, Any]:
                 "devices_per_stage": staged.stages[0].mesh.size,
                 "microbatches": staged.microbatches, "bubble": pred.bubble_fraction,
                 "layers": staged.num_layers, "search": staged.search}
+            if compile_it:
+                out["staged"]["compiled_stage_0"] = compile_stage(staged)
         except spmd.SpmdError as err:
             out["staged"] = {"error": str(err)}
         for method in HAND_WRITTEN:
@@ -109,6 +137,8 @@ def _subprocess(model: str, mesh: str, args) -> dict[str, Any]:
         result = Path(tmp) / "case.json"
         cmd = [sys.executable, __file__, "--worker", model, mesh, "--time-limit",
                str(args.time_limit), "--result", str(result)]
+        if mesh in args.compile_on.split(","):
+            cmd.append("--compile-stage")
         try:
             subprocess.run(cmd, timeout=args.case_timeout, check=False)
         except subprocess.TimeoutExpired:
@@ -155,6 +185,17 @@ def render(data: dict[str, Any]) -> str:
             if case.get(key, {}).get("error"):
                 notes.append(f"- {case['model']} on {case['mesh']}, {key}: "
                              f"{case[key]['error']}")
+    checks = []
+    for case in data["cases"]:
+        compiled = (case.get("staged") or {}).get("compiled_stage_0")
+        for phase, c in (compiled or {}).items():
+            ratio = (c["compiled_bytes"] / c["predicted_bytes"] if c["predicted_bytes"]
+                     else (1.0 if not c["compiled_bytes"] else float("inf")))
+            checks.append([case["model"], case["mesh"], phase,
+                           f"{c['predicted_bytes'] / 2**20:.1f}",
+                           f"{c['compiled_bytes'] / 2**20:.1f}", f"{ratio:.3f}",
+                           "PASS" if abs(ratio - 1) <= 0.10 else "FAIL",
+                           f"{c['seconds']:.0f}"])
     headers = ["model", "mesh", "intra-only ms", "two-level (>= 2 stages) ms", "stages",
                *[f"{m} ms" for m in HAND_WRITTEN], "auto ms", "intra / two-level",
                "auto <= each", "stage search"]
@@ -169,6 +210,13 @@ def render(data: dict[str, Any]) -> str:
              "`data` (one per host), 2 x stages microbatches; '(over memory)' marks a plan "
              "over 40 GB per GPU. 'stage search': its seconds and intra-op solves.", "",
              common.markdown_table(headers, rows), ""]
+    if checks:
+        lines += ["Stage 0 of each two-level plan compiled on 8 simulated CPU devices (shapes "
+                  "only), its collectives read as XLA:GPU emits them, beside the prediction "
+                  "for that stage's programs (within 10%):", "",
+                  common.markdown_table(["model", "mesh", "program", "predicted MiB",
+                                         "compiled MiB", "ratio", "within 10%", "compile s"],
+                                        checks), ""]
     if notes:
         lines += ["Errors:", "", *notes, ""]
     return "\n".join(lines)
@@ -181,21 +229,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-limit", type=float, default=5.0,
                         help="seconds per intra-op search")
     parser.add_argument("--case-timeout", type=float, default=1800)
+    parser.add_argument("--compile-on", default="a100-2x8",
+                        help="meshes whose cases compile stage 0's programs (comma-separated)")
+    parser.add_argument("--compile-stage", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "MESH"), help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     common.add_output_arguments(parser, "two_level")
     args = parser.parse_args(argv)
     if args.worker:
-        return common.run_worker(lambda: run_case(*args.worker, args.time_limit),
+        from spmd.cluster.devices import set_cpu_device_count
+
+        set_cpu_device_count(8, "bench/two_level.py")  # a stage of 8 GPUs compiles on 8
+        return common.run_worker(lambda: run_case(*args.worker, args.time_limit,
+                                                  args.compile_stage),
                                  {"model": args.worker[0], "mesh": args.worker[1]},
                                  args.result)
     out_json, md = common.outputs(args, "two_level")
-    cases = [_subprocess(model, mesh, args) for model in args.models.split(",")
-             for mesh in args.meshes.split(",")]
-    data = {"cases": cases, "date": common.utc_date(), "machine": common.machine(),
+    data = {"cases": [], "date": common.utc_date(), "machine": common.machine(),
             "command": common.command_line("bench/two_level.py",
                                            None if argv is None else ["two_level.py", *argv])}
-    common.publish(data, out_json, md, SECTION, render)
+    for model in args.models.split(","):
+        for mesh in args.meshes.split(","):
+            data["cases"].append(_subprocess(model, mesh, args))
+            common.publish(data, out_json, md, SECTION, render)  # what is done so far
     return 0
 
 

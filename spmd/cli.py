@@ -182,9 +182,9 @@ def run(
         net, opt = spmd.materialize(create, plan)
     # Each process reads only its rows, as a real input pipeline would.
     local_batch = spmd.shard_batch(plan, spmd.process_local_batch(plan, batch))
-    from spmd.stages.manual import is_pipeline
+    from spmd.stages.plan import PipelinePlan
 
-    pipelined = is_pipeline(method)
+    pipelined = isinstance(plan, PipelinePlan)  # a pipeline method, or auto's choice
     report = None
     if not pipelined:  # a pipeline compiles each stage's programs on its first step
         with _working("compiling"):

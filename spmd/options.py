@@ -170,14 +170,13 @@ class PipelineOptions:
                and bool(self.stage_axis), "a mesh axis name")
         _check(own, "schedule", self.schedule, self.schedule in SCHEDULE_NAMES,
                f"one of {', '.join(SCHEDULE_NAMES)}")
+        def count(value: Any) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
         for name in ("microbatches", "max_stages", "layers"):
             value = getattr(self, name)
-            _check(own, name, value, value is None or (isinstance(value, int)
-                                                       and not isinstance(value, bool)
-                                                       and value >= 1), "a whole number >= 1 or None")
-        _check(own, "min_stages", self.min_stages, isinstance(self.min_stages, int)
-               and not isinstance(self.min_stages, bool) and self.min_stages >= 1,
-               "a whole number >= 1")
+            _check(own, name, value, value is None or count(value), "a whole number >= 1 or None")
+        _check(own, "min_stages", self.min_stages, count(self.min_stages), "a whole number >= 1")
         if self.max_stages is not None and self.max_stages < self.min_stages:
             raise OptionsError(f"PipelineOptions.max_stages ({self.max_stages}) is below "
                                f"min_stages ({self.min_stages})")

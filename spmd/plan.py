@@ -13,6 +13,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from spmd.cluster.mesh import DeviceMesh
+from spmd.errors import PlanError
 from spmd.explain import describe as explain
 from spmd.memory.offload import HOST_MEMORY_KIND, OffloadPlan, offload
 from spmd.memory.remat import RematPlan, rematerialize
@@ -165,6 +166,10 @@ class Plan:
 
     @classmethod
     def from_dict(cls, raw: Mapping, mesh: DeviceMesh) -> "Plan":
+        if raw.get("kind") == "pipeline":
+            raise PlanError(f"this is a record of a pipeline plan (method "
+                            f"{raw.get('method')!r}, {len(raw.get('stages', []))} stages), "
+                            f"which is not loaded back: plan the step again with spmd.plan")
         if raw.get("version") != FORMAT_VERSION:
             raise ValueError(f"plan format {raw.get('version')}, expected {FORMAT_VERSION}")
         leaves = [Leaf(e["path"], tuple(e["shape"]), np.dtype(e["dtype"]), e["kind"],

@@ -41,6 +41,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd.cluster.mesh import DeviceMesh
 from spmd.errors import PlanError
+from spmd.runtime.constrain import constrained
+from spmd.search.regions import RegionPlan
 from spmd.sharding import Spec, to_partition_spec
 from spmd.stages.schedule import Schedule
 from spmd.stages.split import UPDATE, StageSplit, Task
@@ -58,6 +60,9 @@ class StagePlacement:
 
     mesh: DeviceMesh
     input_specs: Sequence[Spec]
+    #: per phase, the intra-op plan the stage's task was priced with: its program runs
+    #: under that plan's sharding constraints and returns its outputs in their specs
+    plans: Mapping[str, RegionPlan] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -101,6 +106,10 @@ class Pipeline:
         #: the last call's copies between stages: (to stage, what, bytes per device), what
         #: being "activation" (a forward or backward value of a microbatch) or "state"
         self.transfers: list[tuple[int, str, int]] = []
+        #: with ``measure`` on, the last call's most bytes per device each stage held in
+        #: arrays between its programs (state, copies, activations, sums)
+        self.measure = False
+        self.held: list[int] = [0] * len(self.stages)
         #: per task: its jitted program and the arguments of the last call (``compiled``)
         self._last_args: dict[str, tuple[Any, list[Any]]] = {}
         #: per microbatch-phase value: how many of one microbatch's tasks read it
@@ -158,7 +167,14 @@ class Pipeline:
     def _program(self, task: Task) -> _Program:
         graph, region = self.split.graph, task.region
         closed = region.program()
-        run = jaxpr_as_fun(closed)
+        plan = self.stages[task.stage].plans.get(task.phase)
+        if plan is not None and (len(plan.program.jaxpr.eqns) != len(closed.jaxpr.eqns)
+                                 or len(plan.inputs) != len(region.inputs)):
+            raise PlanError(f"{task.name}: the plan given for it is of another region "
+                            f"({len(plan.program.jaxpr.eqns)} equations, not "
+                            f"{len(closed.jaxpr.eqns)})")
+        run = (constrained(closed, plan.result.constraints, self.meshes[task.stage])
+               if plan is not None and plan.result.constraints else jaxpr_as_fun(closed))
         reads = [v for v in region.inputs if graph.nodes[v.node].kind != "const"]
         constants = {k: np.asarray(graph.constants.get(v.node))
                      for k, v in enumerate(region.inputs) if graph.nodes[v.node].kind == "const"}
@@ -181,7 +197,7 @@ class Pipeline:
                 return call(*[x * scale if k in averaged else x for k, x in enumerate(xs)])
 
             return _Program(task, reads, [], jax.jit(update, in_shardings=self._in_shardings(
-                task.stage, reads), out_shardings=self._out_shardings(task)))
+                task.stage, reads), out_shardings=self._out_shardings(task, plan)))
         accumulates = [k for k, v in enumerate(region.outputs) if v in self._accumulated]
 
         def then(*xs):
@@ -190,30 +206,52 @@ class Pipeline:
             return (*outs, *[s + outs[k] for s, k in zip(sums, accumulates)])
 
         shardings = self._in_shardings(task.stage, reads)
-        return _Program(task, reads, accumulates, jax.jit(call, in_shardings=shardings),
-                        jax.jit(then, in_shardings=shardings + (None,) * len(accumulates)))
+        outs = self._out_shardings(task, plan)
+        return _Program(task, reads, accumulates,
+                        jax.jit(call, in_shardings=shardings, out_shardings=outs),
+                        jax.jit(then, in_shardings=shardings + (None,) * len(accumulates),
+                                out_shardings=outs + tuple(outs[k] for k in accumulates)))
 
     def _in_shardings(self, stage: int, reads: Sequence[Value]) -> tuple:
         graph = self.split.graph
         return tuple(self._sharding(stage, graph.nodes[v.node].input_index)
                      if graph.nodes[v.node].kind == "input" else None for v in reads)
 
-    def _out_shardings(self, task: Task) -> tuple:
-        """A new state leaf leaves in its input's spec on its home stage; the rest as XLA
-        chooses."""
+    def _out_shardings(self, task: Task, plan: RegionPlan | None) -> tuple:
+        """A new state leaf leaves in its input's spec on its home stage; the rest in the
+        spec the task's plan gives it, or as XLA chooses without one."""
         graph = self.split.graph
         aliased = {graph.outputs[o]: i for o, i in self.output_aliases.items()}
+        mesh = self.meshes[task.stage]
+        planned = plan.result.output_specs if plan is not None else [None] * len(
+            task.region.outputs)
         return tuple(self._sharding(task.stage, aliased[v])
-                     if v in aliased and self.home[aliased[v]] == task.stage else None
-                     for v in task.region.outputs)
+                     if v in aliased and self.home[aliased[v]] == task.stage
+                     else None if spec is None else NamedSharding(mesh, to_partition_spec(spec))
+                     for v, spec in zip(task.region.outputs, planned))
+
+    def _held_bytes(self, arrays: Sequence[Any]) -> list[int]:
+        """Per stage, the most bytes one of its devices holds of ``arrays`` (each once)."""
+        per_device: dict[Any, int] = {}
+        seen: set[int] = set()
+        for x in arrays:
+            if not isinstance(x, jax.Array) or id(x) in seen:
+                continue
+            seen.add(id(x))
+            for shard in x.addressable_shards:
+                per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+        return [max((per_device.get(d, 0) for d in devices), default=0)
+                for devices in self._devices]
 
     def compiled(self) -> dict[str, Any]:
         """Each task's compiled program (the first microbatch's variant), for the shapes and
         shardings of the last call's arguments."""
         if not self._last_args:
             raise PlanError("the pipeline has not run yet: call the step once first")
-        abstract = lambda x: (jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
-                              if isinstance(x, jax.Array) else x)
+        def abstract(x: Any) -> Any:
+            return (jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                    if isinstance(x, jax.Array) else x)
+
         return {name: fn.lower(*map(abstract, args)).compile()
                 for name, (fn, args) in self._last_args.items()}
 
@@ -258,6 +296,13 @@ class Pipeline:
         envs: list[dict[Any, Any]] = [{} for _ in range(self.schedule.microbatches)]
         left: list[dict[Value, int]] = [dict(self._readers) for _ in envs]
         sums: dict[Value, Any] = {}
+        self.held = [0] * len(self.stages)
+
+        def measure(*pools) -> None:
+            if self.measure:
+                now = self._held_bytes([x for pool in pools for x in pool])
+                self.held = [max(a, b) for a, b in zip(self.held, now)]
+
         for stage, j, phase in self.schedule.order:
             program = self.programs.get((stage, phase))
             if program is None:
@@ -287,6 +332,7 @@ class Pipeline:
             for v in region.outputs:
                 if v not in left[j] and v in env:  # read by no microbatch task at all
                     del env[v]
+            measure(leaves, copies.values(), sums.values(), *(e.values() for e in envs))
         made: dict[Value, Any] = {}
         for t in split.tasks:  # the updates, from the last stage (their data flow)
             if t.phase != UPDATE:
@@ -298,6 +344,7 @@ class Pipeline:
             self._last_args[t.name] = (program.first, args)
             for v, x in zip(t.region.outputs, program.first(*args)):
                 made[v] = x
+            measure(leaves, copies.values(), sums.values(), made.values())
         scale = 1.0 / self.schedule.microbatches
         out = []
         for k, v in enumerate(graph.outputs):
@@ -326,7 +373,9 @@ class PipelineExecutable:
         self.plan = plan
         leaves = plan.signature.leaves
         self.pipeline = Pipeline(
-            plan.split, [StagePlacement(st.mesh, st.input_specs) for st in plan.stages],
+            plan.split, [StagePlacement(st.mesh, st.input_specs,
+                                        st.cost.plans if st.cost is not None else {})
+                         for st in plan.stages],
             plan.schedule, [i for i, leaf in enumerate(leaves) if leaf.kind == "batch"],
             plan.signature.output_aliases)
 
@@ -342,6 +391,19 @@ class PipelineExecutable:
                         f"program to lower; call the step, then .compiled() on its executable")
 
     compile = lower
+
+    def _held_bytes(self, arrays: Sequence[Any]) -> list[int]:
+        """Per stage, the most bytes one of its devices holds of ``arrays`` (each once)."""
+        per_device: dict[Any, int] = {}
+        seen: set[int] = set()
+        for x in arrays:
+            if not isinstance(x, jax.Array) or id(x) in seen:
+                continue
+            seen.add(id(x))
+            for shard in x.addressable_shards:
+                per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+        return [max((per_device.get(d, 0) for d in devices), default=0)
+                for devices in self._devices]
 
     def compiled(self) -> dict[str, Any]:
         """Each task's compiled program, for the shapes of the last call (``Report`` them

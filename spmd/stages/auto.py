@@ -9,7 +9,8 @@ is priced on a stage's submesh at that microbatch size, and ``best_partition`` c
 layers. The best ``(p, B, cut)`` by predicted step time is then planned for real: each
 stage's layer range searched as one program on its submesh (its parameters and optimizer
 state get one spec, what its forward, backward and update programs then take), and its tasks
-priced again with those specs fixed, which is the prediction the plan reports.
+priced again with those specs fixed: the prediction the plan reports, and the sharding
+constraints its programs run under (``spmd.runtime.pipeline``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from spmd.stages.plan import PipelinePlan, StagePlan, predict
 from spmd.stages.price import price_stage
 from spmd.stages.schedule import schedule
 from spmd.stages.split import LayeredStep
+from spmd.trace.graph import build_graph
+from spmd.trace.layers import forward_ops
 from spmd.trace.regions import Region
 from spmd.trace.signature import StepSignature
 from spmd.timing import Stopwatch
@@ -106,8 +109,9 @@ def plan_two_level(full: StepSignature, args: Sequence[Any], mesh: DeviceMesh,
             if m not in traced:
                 with timings.phase("stage_trace"):
                     micro = micro_signature(full, args, m, logical_axes)
-                    count = min(layers, _forward_count(micro))
-                    traced[m] = (micro, LayeredStep(micro.jaxpr, count))
+                    graph = build_graph(micro.jaxpr)
+                    count = min(layers, len(forward_ops(graph)))
+                    traced[m] = (micro, LayeredStep(micro.jaxpr, count, graph))
             micro, layered = traced[m]
             if p > layered.num_layers:
                 continue
@@ -135,13 +139,6 @@ def plan_two_level(full: StepSignature, args: Sequence[Any], mesh: DeviceMesh,
                    "region_searches": cache.misses, "region_cache_hits": cache.hits,
                    "timings": timings.as_dict()}
     return plan
-
-
-def _forward_count(micro: StepSignature) -> int:
-    from spmd.trace.graph import build_graph
-    from spmd.trace.layers import forward_ops
-
-    return len(forward_ops(build_graph(micro.jaxpr)))
 
 
 def _final_plan(full: StepSignature, mesh: DeviceMesh, options: SearchOptions,
@@ -176,7 +173,6 @@ def _final_plan(full: StepSignature, mesh: DeviceMesh, options: SearchOptions,
     sched = schedule(options.pipeline.schedule, best.stages, best.microbatches)
     plan = PipelinePlan("auto", mesh, full.leaves, layered.num_layers, stages, sched, split,
                         full, micro)
-    copies = sum(shared_copy_time(split, micro.leaves, st.input_specs, st.mesh, link)
-                 for st in stages[:1])
+    copies = shared_copy_time(split, micro.leaves, stages[0].input_specs, stages[0].mesh, link)
     plan.prediction = predict([st.cost for st in stages], sched, copy_time=copies)
     return plan

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
+from pathlib import Path
 from typing import Any, Sequence
 
 from spmd.cluster.mesh import DeviceMesh
-from spmd.sharding import Spec, to_partition_spec
+from spmd.sharding import Spec, spec_to_json, to_partition_spec
 from spmd.stages.price import StageCost
 from spmd.stages.schedule import Schedule, bubble_formula
 from spmd.stages.split import StageSplit
@@ -118,6 +120,37 @@ class PipelinePlan:
         return [NamedSharding(self.stages[h].mesh.sharding_mesh(),
                               to_partition_spec(self.stages[h].input_specs[i]))
                 for i, h in enumerate(self.homes())]
+
+    def to_dict(self) -> dict:
+        """A record of the plan (JSON-ready): its stages, their devices and every input's
+        spec there, the schedule and the prediction. It is not loaded back: a pipeline is
+        planned again from its step (``spmd.plan`` with the same method and options)."""
+        pred = self.prediction
+        return {
+            "kind": "pipeline", "method": self.method, "runtime": self.runtime,
+            "mesh": {"name": self.mesh.name, "shape": self.mesh.shape,
+                     "device": self.mesh.device.name},
+            "layers": self.num_layers, "microbatches": self.microbatches,
+            "schedule": self.schedule.name,
+            "stages": [{"layers": [st.start, st.stop], "devices": list(st.mesh.device_ids or ()),
+                        "shape": st.mesh.shape, "method": st.method,
+                        "specs": {leaf.path: spec_to_json(spec)
+                                  for leaf, spec in zip(self.leaves, st.input_specs)},
+                        "cost": None if st.cost is None else {
+                            f.name: getattr(st.cost, f.name)
+                            for f in dataclasses.fields(st.cost) if f.name != "plans"}}
+                       for st in self.stages],
+            "prediction": None if pred is None else {
+                **dataclasses.asdict(pred), "total_time": pred.total_time,
+                "bubble_fraction": pred.bubble_fraction},
+            "alternatives": {k: v if isinstance(v, str) else {"total_time": v.total_time,
+                                                              "memory_bytes": v.memory_bytes}
+                             for k, v in self.alternatives.items()},
+            "search": self.search,
+        }
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1, default=str))
 
     def describe(self) -> str:
         """Stages (layers, devices, intra-op plan, time and memory), microbatches, schedule,

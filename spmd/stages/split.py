@@ -118,11 +118,20 @@ def _phases(graph: Graph) -> list[str]:
     if not any(is_backward(n) for n in ops):
         raise PlanError("the step has no backward pass (no op traced under jax.grad's "
                         "transpose): there is nothing to pipeline across microbatches")
-    for n in reversed(ops):  # what the microbatch phase reads is in it too
-        if n.id in micro:
-            for v in n.operands:
-                if v is not None and graph.nodes[v.node].kind == "op":
-                    micro.add(v.node)
+    # what the microbatch phase reads is in it too, and a scan is in it whole
+    stack = list(micro)
+    while stack:
+        node = graph.nodes[stack.pop()]
+        reached = [v.node for v in node.operands
+                   if v is not None and graph.nodes[v.node].kind == "op"]
+        if node.scan >= 0:  # the whole scan, and all it reads (a region runs the equation)
+            scan = graph.scans[node.scan]
+            reached += [*scan.nodes, *(v.node for v in scan.operands if v is not None
+                                        and graph.nodes[v.node].kind == "op")]
+        for m in reached:
+            if m not in micro:
+                micro.add(m)
+                stack.append(m)
     phase = [""] * len(graph.nodes)
     for n in ops:
         if n.id not in micro:
@@ -130,9 +139,10 @@ def _phases(graph: Graph) -> list[str]:
             continue
         reads_backward = any(v is not None and phase[v.node] == BACKWARD for v in n.operands)
         phase[n.id] = BACKWARD if is_backward(n) or reads_backward else FORWARD
-    for scan in graph.scans:  # a scan is one unit: in the latest phase any of its nodes has
-        order = (FORWARD, BACKWARD, UPDATE)
-        latest = max((phase[n] for n in scan.nodes), key=order.index)
+    for scan in graph.scans:  # a scan is one unit: of the microbatch phase if any of its
+        order = (FORWARD, BACKWARD, UPDATE)  # nodes is (its dead ops are not), the latest
+        phases = {phase[n] for n in scan.nodes}
+        latest = max(phases - {UPDATE} or phases, key=order.index)
         for n in scan.nodes:
             phase[n] = latest
     return phase

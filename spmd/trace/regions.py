@@ -75,6 +75,9 @@ class Region:
         step_outputs = {v for v in graph.outputs if v is not None}
         read_outside = {v for m in graph.nodes if m.id not in inside
                         for v in m.operands if v is not None and v in produced}
+        # a scan elsewhere reads all its operands, even one its body leaves unused
+        read_outside |= {v for scan in graph.scans if scan.nodes and scan.nodes[0] not in inside
+                         for v in scan.operands if v is not None and v in produced}
         #: the values it produces for outside (other nodes, or the step's outputs)
         self.outputs: list[Value] = [v for _, _, outs in self.units for v in outs
                                      if v is not None and (v in read_outside or v in step_outputs)]
