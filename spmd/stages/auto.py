@@ -2,11 +2,12 @@
 (``spmd.stages.dp``) around the intra-op search of each stage, beside the single-stage plan.
 
 For each stage count ``p`` (powers of two dividing the mesh, within
-``PipelineOptions.min_stages``/``max_stages`` and the layers) and microbatch count ``B``
-(``2p`` and ``4p`` where the batch divides, or the one the options fix: fewer leave most
-of the pipeline idle, ``(p - 1) / (2p - 1)`` at ``p``), every layer
-is priced on a stage's submesh at that microbatch size, and ``best_partition`` cuts the
-layers. The best ``(p, B, cut)`` by predicted step time is then planned for real: each
+``PipelineOptions.min_stages``/``max_stages`` and the layers) and ``B = 2p`` microbatches
+(MaxText's advice; ``PipelineOptions.microbatches`` fixes another: fewer leave most of the
+pipeline idle, ``(p - 1) / (2p - 1)`` at ``p``; more shrink each microbatch's work, and
+each count is a trace and a pricing of its own), every layer is priced on a stage's
+submesh at that microbatch size (``LAYER_TIME_LIMIT`` seconds a search), and
+``best_partition`` cuts the layers. The best ``(p, B, cut)`` by predicted step time is then planned for real: each
 stage's layer range searched as one program on its submesh (its parameters and optimizer
 state get one spec, what its forward, backward and update programs then take), and its tasks
 priced again with those specs fixed: the prediction the plan reports, and the sharding
@@ -63,8 +64,13 @@ def _stage_counts(mesh: DeviceMesh, options: SearchOptions, layers: int) -> list
 
 def _microbatch_counts(rows: int, stages: int, options: SearchOptions) -> list[int]:
     fixed = options.pipeline.microbatches
-    wanted = [fixed] if fixed else [2 * stages, 4 * stages]
+    wanted = [fixed] if fixed else [2 * stages]
     return [m for m in wanted if rows % m == 0]
+
+
+#: seconds each layer's task search may take while pricing (a layer is a small program;
+#: the chosen stages are searched with the full ``time_limit``)
+LAYER_TIME_LIMIT = 2.0
 
 
 def _inputs(micro: StepSignature, mesh: DeviceMesh, options: SearchOptions) -> list[InputInfo]:
@@ -116,10 +122,12 @@ def plan_two_level(full: StepSignature, args: Sequence[Any], mesh: DeviceMesh,
             if p > layered.num_layers:
                 continue
             inputs = _inputs(micro, meshes[0], options)
+            quick = dataclasses.replace(options, time_limit=min(options.time_limit,
+                                                                 LAYER_TIME_LIMIT))
             with timings.phase("stage_pricing"):
                 per_layer = [price_stage(layered, k, k + 1, meshes[0], step_inputs=inputs,
                                          output_aliases=micro.output_aliases, send_link=None,
-                                         options=options, cache=cache)
+                                         options=quick, cache=cache)
                              for k in range(layered.num_layers)]
             sched = schedule(pipe.schedule, p, m)
             with timings.phase("stage_dp"):
