@@ -4,7 +4,8 @@ Public API: meshes (``load_mesh``, ``make_mesh``), plans (``plan``, ``Plan``, ``
 the compiled step (``parallelize``), initialization into shardings (``materialize``),
 checkpoints restored under any plan (``save_checkpoint``, ``restore_checkpoint``,
 ``is_checkpoint``), the report of what XLA emitted (``analyze``), and the options
-(``SearchOptions``, ``SolverOptions``).
+(``SearchOptions``, ``SolverOptions``, ``PipelineOptions``); pipeline plans are
+``PipelinePlan``s.
 """
 
 from spmd.analysis.report import analyze as analyze
@@ -28,14 +29,17 @@ from spmd.errors import MeshError as MeshError
 from spmd.errors import OptionsError as OptionsError
 from spmd.errors import PlanError as PlanError
 from spmd.errors import SpmdError as SpmdError
+from spmd.options import PipelineOptions as PipelineOptions
 from spmd.options import SearchOptions as SearchOptions
 from spmd.options import SolverOptions as SolverOptions
 from spmd.plan import Plan as Plan
 from spmd.search.predict import Prediction as Prediction
+from spmd.stages.plan import PipelinePlan as PipelinePlan
 
 __all__ = [
     "CheckpointError", "DeviceMesh", "InfeasibleError", "MeshError", "OptionsError",
-    "ParallelStep", "Plan", "PlanError", "Prediction", "SearchOptions", "SolverOptions",
+    "ParallelStep", "PipelineOptions", "PipelinePlan", "Plan", "PlanError", "Prediction",
+    "SearchOptions", "SolverOptions",
     "SpmdError", "analyze", "eval_shape", "init_distributed", "is_checkpoint", "load_mesh",
     "make_mesh", "materialize", "parallelize", "plan", "process_local_batch",
     "restore_checkpoint", "save_checkpoint", "shard_batch",

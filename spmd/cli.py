@@ -287,6 +287,10 @@ def plan_cmd(
     batch_size: Optional[int] = typer.Option(None, help="global batch size (model default)"),
     time_limit: float = typer.Option(DEFAULT_TIME_LIMIT, help="seconds the sharding search may take"),
     memory_budget: Optional[float] = typer.Option(None, help="bytes per device (auto)"),
+    min_stages: int = typer.Option(1, min=1, help="auto: pipeline stages at least (2: a "
+                                   "pipeline only)"),
+    max_stages: Optional[int] = typer.Option(None, min=1, help="auto: pipeline stages at most "
+                                             "(1: no stage search)"),
     save: Optional[Path] = typer.Option(None, help="save the plan as JSON"),
 ) -> None:
     """Plan without running anything: any mesh, even a cluster you do not have."""
@@ -295,7 +299,9 @@ def plan_cmd(
     _check_step_options(model, step_ref, batch_size)
     device_mesh = spmd.load_mesh(mesh, virtual=True)
     step_fn, args, title = _abstract_step(model, step_ref, batch_size)
-    options = spmd.SearchOptions(time_limit=time_limit, memory_budget=memory_budget)
+    options = spmd.SearchOptions(time_limit=time_limit, memory_budget=memory_budget,
+                                 pipeline=spmd.PipelineOptions(min_stages=min_stages,
+                                                               max_stages=max_stages))
     with _working(f"planning {step_ref or model or DEFAULT_MODEL} on {device_mesh.name} "
                   f"({method})"):
         plan = spmd.plan(step_fn, *args, mesh=device_mesh, method=method, options=options)

@@ -392,19 +392,6 @@ class PipelineExecutable:
 
     compile = lower
 
-    def _held_bytes(self, arrays: Sequence[Any]) -> list[int]:
-        """Per stage, the most bytes one of its devices holds of ``arrays`` (each once)."""
-        per_device: dict[Any, int] = {}
-        seen: set[int] = set()
-        for x in arrays:
-            if not isinstance(x, jax.Array) or id(x) in seen:
-                continue
-            seen.add(id(x))
-            for shard in x.addressable_shards:
-                per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
-        return [max((per_device.get(d, 0) for d in devices), default=0)
-                for devices in self._devices]
-
     def compiled(self) -> dict[str, Any]:
         """Each task's compiled program, for the shapes of the last call (``Report`` them
         with ``spmd.analyze``)."""
