@@ -20,7 +20,7 @@ from spmd.runtime.compile import Executable, prepare
 from spmd.runtime.pipeline import PipelineExecutable
 from spmd.runtime.nodes import NodeStateCache, StateRead
 from spmd.sharding import Spec, replicated
-from spmd.stages.auto import considers_pipelines, plan_two_level
+from spmd.stages.auto import considers_pipelines, hand_written_pipelines, plan_two_level
 from spmd.stages.manual import PIPELINE_METHODS, is_pipeline, plan_manual_pipeline
 from spmd.stages.plan import PipelinePlan
 from spmd.timing import Stopwatch
@@ -88,13 +88,31 @@ def _plan_auto_levels(sig: StepSignature, args: Sequence[Any], mesh: DeviceMesh,
             single = plan_auto(sig, mesh, options, timings)
         except InfeasibleError as err:
             why_single = f"not a candidate: {err}"
+    staged, why_staged = None, None
     try:
         staged = plan_two_level(sig, args, mesh, options, logical_axes, timings)
     except (InfeasibleError, PlanError) as err:
+        why_staged = f"not a candidate: {err}"
+    with timings.phase("pipeline_baselines"):
+        hand = hand_written_pipelines(sig, args, mesh, options, logical_axes)
+    fitting = [p for p in hand.values() if not isinstance(p, str)]
+    best_hand = min(fitting, key=lambda p: p.prediction.total_time, default=None)
+    if best_hand is not None and (staged is None or best_hand.prediction.total_time
+                                  < staged.prediction.total_time):
+        # the stage search's simplifications (equal submeshes, each layer's own plan) can
+        # miss a hand-written pipeline: never return a slower one
+        kept = best_hand.method
+        best_hand.search = {**(staged.search if staged is not None else {}),
+                            "kept_hand_written": kept}
+        best_hand.method = "auto"
+        staged = best_hand
+    if staged is None:
         if single is None:
-            raise
-        single.alternatives["pipeline (auto)"] = f"not a candidate: {err}"
+            raise InfeasibleError(why_staged or "no pipeline plan fits")
+        single.alternatives["pipeline (auto)"] = why_staged
         return single
+    staged.alternatives.update({name: p if isinstance(p, str) else p.prediction
+                                for name, p in hand.items()})
     if single is not None and single.prediction.total_time <= staged.prediction.total_time:
         pred = staged.prediction
         single.alternatives["pipeline (auto)"] = (

@@ -169,8 +169,8 @@ def test_auto_pipeline_matches_one_device(mesh):
     searched on its submesh, and the run gives one device's loss and gradients."""
     spec = zoo.get("gpt-tiny")
     batch = spec.batch(16, 0)
-    options = spmd.SearchOptions(time_limit=1, pipeline=PipelineOptions(
-        min_stages=2, max_stages=2, layers=3, microbatches=4))
+    options = spmd.SearchOptions(time_limit=1, compare=False, pipeline=PipelineOptions(
+        min_stages=2, max_stages=2, layers=3, microbatches=4))  # no hand-written pipelines
     step = spmd.parallelize(_grad_step(spec), mesh=mesh, options=options)
     plan = step.plan_for(nnx.eval_shape(lambda: spec.create(0)), batch)
     assert plan.method == "auto" and len(plan.stages) == 2 and plan.microbatches == 4

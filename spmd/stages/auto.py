@@ -27,7 +27,8 @@ from spmd.search.costgraph import InputInfo
 from spmd.search.regions import RegionCache, search_region
 from spmd.sharding import replicated
 from spmd.stages.dp import Partition, best_partition, carve, stage_link
-from spmd.stages.manual import micro_signature, shared_copy_time
+from spmd.stages.manual import (PIPELINE_METHODS, micro_signature, plan_manual_pipeline,
+                                shared_copy_time)
 from spmd.stages.plan import PipelinePlan, StagePlan, predict
 from spmd.stages.price import price_stage
 from spmd.stages.schedule import schedule
@@ -38,7 +39,7 @@ from spmd.trace.regions import Region
 from spmd.trace.signature import StepSignature
 from spmd.timing import Stopwatch
 
-__all__ = ["considers_pipelines", "plan_two_level"]
+__all__ = ["considers_pipelines", "hand_written_pipelines", "plan_two_level"]
 
 #: the layers the step is cut into for the stage search (fewer if its forward pass has
 #: fewer ops): up to 8 stages, each layer priced once per submesh and microbatch size
@@ -53,6 +54,40 @@ def considers_pipelines(mesh: DeviceMesh, options: SearchOptions) -> bool:
     if pipe.max_stages == 1 or mesh.size == 1:
         return False
     return pipe.min_stages >= 2 or mesh.hosts > 1 or pipe.stage_axis in mesh.shape
+
+
+def hand_written_pipelines(full: StepSignature, args: Sequence[Any], mesh: DeviceMesh,
+                           options: SearchOptions, logical_axes: Any = None
+                           ) -> dict[str, PipelinePlan | str]:
+    """Each hand-written pipeline plan auto compares itself with (``options.compare``), its
+    stages along the mesh's stage axis or, without one, the outermost axis when it spans
+    the hosts (one stage per host); a plan that does not apply, or does not fit the memory
+    budget or the stage counts the options allow, is the reason why."""
+    if not options.compare:
+        return {}
+    pipe = options.pipeline
+    axis = pipe.stage_axis if pipe.stage_axis in mesh.shape else mesh.axis_names[0]
+    if pipe.stage_axis not in mesh.shape and not (mesh.hosts > 1
+                                                  and mesh.shape[axis] == mesh.hosts):
+        return {}
+    stages = mesh.shape[axis]
+    if stages < max(pipe.min_stages, 2) or (pipe.max_stages and stages > pipe.max_stages):
+        return {}
+    budget = mesh.device.memory_bytes if options.memory_budget is None else options.memory_budget
+    along = dataclasses.replace(options, pipeline=dataclasses.replace(pipe, stage_axis=axis))
+    out: dict[str, PipelinePlan | str] = {}
+    for method in PIPELINE_METHODS:
+        try:
+            plan = plan_manual_pipeline(full, args, mesh, method, along, logical_axes)
+        except (PlanError, InfeasibleError) as err:
+            out[method] = f"not a candidate: {err}"
+            continue
+        if plan.prediction.memory_bytes > budget:
+            out[method] = (f"does not fit: {plan.prediction.memory_bytes / 2**30:.2f} GiB per "
+                           f"device predicted, over {budget / 2**30:.2f} GiB")
+        else:
+            out[method] = plan
+    return out
 
 
 def _stage_counts(mesh: DeviceMesh, options: SearchOptions, layers: int) -> list[int]:

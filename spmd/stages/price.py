@@ -24,7 +24,7 @@ import dataclasses
 from typing import Mapping, Sequence
 
 from spmd.cluster.mesh import DeviceMesh, Link
-from spmd.errors import InfeasibleError
+from spmd.errors import PlanError
 from spmd.options import SearchOptions
 from spmd.search.costgraph import InputInfo
 from spmd.search.regions import RegionCache, RegionPlan, search_region
@@ -105,7 +105,7 @@ def price_stage(layered: LayeredStep, start: int, stop: int, mesh: DeviceMesh, *
         try:
             plans[p] = search_region(region, mesh, step_inputs=step_inputs,
                                      output_aliases=output_aliases, options=options, cache=cache)
-        except InfeasibleError:
+        except PlanError:  # over the device's memory, or no assignment found within it
             fits = False
             unbounded = dataclasses.replace(options, memory_budget=float("inf"))
             plans[p] = search_region(region, mesh, step_inputs=step_inputs,
