@@ -155,8 +155,9 @@ def plan_manual_pipeline(full: StepSignature, args: Sequence[Any], mesh: DeviceM
         budget = options.memory_budget
         if budget is not None and plan.prediction.memory_bytes > budget:
             raise InfeasibleError(
-                f"method {method!r} needs {plan.prediction.memory_bytes / 2**30:.2f} GiB per "
-                f"device on its fullest stage (predicted), over memory_budget={budget:.4g} "
+                f"method {method!r} needs {plan.prediction.memory_bytes / 2**30:.2f} GiB "
+                f"({plan.prediction.memory_bytes:.0f} bytes) per device on its fullest stage "
+                f"(predicted), over memory_budget={budget:.4g} "
                 f"bytes ({budget / 2**30:.2f} GiB); pick another method or more microbatches")
     return plan
 

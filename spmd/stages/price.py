@@ -34,6 +34,10 @@ from spmd.trace.graph import Value
 
 __all__ = ["StageCost", "combine", "link_time", "price_stage"]
 
+#: the budget a task is searched under once the device's own is out of reach (finite, as
+#: ``SearchOptions`` asks): the schedule's memory model then judges the stage
+UNBOUNDED = 1e30
+
 
 @dataclasses.dataclass(frozen=True)
 class StageCost:
@@ -107,7 +111,7 @@ def price_stage(layered: LayeredStep, start: int, stop: int, mesh: DeviceMesh, *
                                      output_aliases=output_aliases, options=options, cache=cache)
         except PlanError:  # over the device's memory, or no assignment found within it
             fits = False
-            unbounded = dataclasses.replace(options, memory_budget=float("inf"))
+            unbounded = dataclasses.replace(options, memory_budget=UNBOUNDED)
             plans[p] = search_region(region, mesh, step_inputs=step_inputs,
                                      output_aliases=output_aliases, options=unbounded,
                                      cache=cache)
