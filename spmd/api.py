@@ -21,7 +21,8 @@ from spmd.runtime.pipeline import PipelineExecutable
 from spmd.runtime.nodes import NodeStateCache, StateRead
 from spmd.sharding import Spec, replicated
 from spmd.stages.auto import considers_pipelines, hand_written_pipelines, plan_two_level
-from spmd.stages.manual import PIPELINE_METHODS, is_pipeline, plan_manual_pipeline
+from spmd.stages.manual import (PIPELINE_METHODS, MicroSteps, is_pipeline,
+                                plan_manual_pipeline)
 from spmd.stages.plan import PipelinePlan
 from spmd.timing import Stopwatch
 from spmd.trace.signature import StepSignature, split_step_args
@@ -89,12 +90,13 @@ def _plan_auto_levels(sig: StepSignature, args: Sequence[Any], mesh: DeviceMesh,
         except InfeasibleError as err:
             why_single = f"not a candidate: {err}"
     staged, why_staged = None, None
+    micro_steps = MicroSteps(sig, args, logical_axes)  # one trace per microbatch count
     try:
-        staged = plan_two_level(sig, args, mesh, options, logical_axes, timings)
+        staged = plan_two_level(sig, args, mesh, options, logical_axes, timings, micro_steps)
     except (InfeasibleError, PlanError) as err:
         why_staged = f"not a candidate: {err}"
     with timings.phase("pipeline_baselines"):
-        hand = hand_written_pipelines(sig, args, mesh, options, logical_axes)
+        hand = hand_written_pipelines(sig, args, mesh, options, logical_axes, micro_steps)
     fitting = [p for p in hand.values() if not isinstance(p, str)]
     best_hand = min(fitting, key=lambda p: p.prediction.total_time, default=None)
     if best_hand is not None and (staged is None or best_hand.prediction.total_time

@@ -27,13 +27,12 @@ from spmd.search.costgraph import InputInfo
 from spmd.search.regions import RegionCache, search_region
 from spmd.sharding import replicated
 from spmd.stages.dp import Partition, best_partition, carve, stage_link
-from spmd.stages.manual import (PIPELINE_METHODS, micro_signature, plan_manual_pipeline,
+from spmd.stages.manual import (PIPELINE_METHODS, MicroSteps, plan_manual_pipeline,
                                 shared_copy_time)
 from spmd.stages.plan import PipelinePlan, StagePlan, predict
 from spmd.stages.price import price_stage
 from spmd.stages.schedule import schedule
 from spmd.stages.split import LayeredStep
-from spmd.trace.graph import build_graph
 from spmd.trace.layers import forward_ops
 from spmd.trace.regions import Region
 from spmd.trace.signature import StepSignature
@@ -57,7 +56,8 @@ def considers_pipelines(mesh: DeviceMesh, options: SearchOptions) -> bool:
 
 
 def hand_written_pipelines(full: StepSignature, args: Sequence[Any], mesh: DeviceMesh,
-                           options: SearchOptions, logical_axes: Any = None
+                           options: SearchOptions, logical_axes: Any = None,
+                           micro_steps: MicroSteps | None = None
                            ) -> dict[str, PipelinePlan | str]:
     """Each hand-written pipeline plan auto compares itself with (``options.compare``), its
     stages along the mesh's stage axis or, without one, the outermost axis when it spans
@@ -78,7 +78,8 @@ def hand_written_pipelines(full: StepSignature, args: Sequence[Any], mesh: Devic
     out: dict[str, PipelinePlan | str] = {}
     for method in PIPELINE_METHODS:
         try:
-            plan = plan_manual_pipeline(full, args, mesh, method, along, logical_axes)
+            plan = plan_manual_pipeline(full, args, mesh, method, along, logical_axes,
+                                        micro_steps=micro_steps)
         except (PlanError, InfeasibleError) as err:
             out[method] = f"not a candidate: {err}"
             continue
@@ -124,15 +125,19 @@ class _Candidate:
 
 def plan_two_level(full: StepSignature, args: Sequence[Any], mesh: DeviceMesh,
                    options: SearchOptions, logical_axes: Any = None,
-                   timings: Stopwatch | None = None) -> PipelinePlan:
+                   timings: Stopwatch | None = None,
+                   micro_steps: MicroSteps | None = None) -> PipelinePlan:
     """The best pipeline plan of two or more stages (``InfeasibleError`` if none fits the
-    memory budget; ``PlanError`` if the step or mesh allows none)."""
+    memory budget; ``PlanError`` if the step or mesh allows none). ``micro_steps``: traces
+    of the step already made (else made here)."""
     timings = timings if timings is not None else Stopwatch()
     pipe = options.pipeline
     budget = mesh.device.memory_bytes if options.memory_budget is None else options.memory_budget
     rows = min((leaf.shape[0] for leaf in full.leaves if leaf.kind == "batch" and leaf.shape),
                default=0)
     cache = RegionCache()
+    micro_steps = micro_steps if micro_steps is not None else MicroSteps(full, args,
+                                                                         logical_axes)
     traced: dict[int, tuple[StepSignature, LayeredStep]] = {}
     best: _Candidate | None = None
     tried = 0
@@ -149,8 +154,7 @@ def plan_two_level(full: StepSignature, args: Sequence[Any], mesh: DeviceMesh,
         for m in _microbatch_counts(rows, p, options):
             if m not in traced:
                 with timings.phase("stage_trace"):
-                    micro = micro_signature(full, args, m, logical_axes)
-                    graph = build_graph(micro.jaxpr)
+                    micro, graph = micro_steps.get(m)
                     count = min(layers, len(forward_ops(graph)))
                     traced[m] = (micro, LayeredStep(micro.jaxpr, count, graph))
             micro, layered = traced[m]

@@ -32,9 +32,10 @@ from spmd.stages.price import price_stage
 from spmd.stages.schedule import schedule
 from spmd.sharding import Spec, bytes_per_device
 from spmd.stages.split import LayeredStep, StageSplit
+from spmd.trace.graph import Graph, build_graph
 from spmd.trace.signature import Leaf, StepSignature
 
-__all__ = ["PIPELINE_METHODS", "default_microbatches", "is_pipeline", "micro_signature",
+__all__ = ["PIPELINE_METHODS", "MicroSteps", "default_microbatches", "is_pipeline", "micro_signature",
            "plan_manual_pipeline", "shared_copy_time", "stage_meshes"]
 
 #: pipeline method -> (the intra-op method inside each stage, what it is)
@@ -82,6 +83,22 @@ def micro_signature(full: StepSignature, args: Sequence[Any], microbatches: int,
                          batch_argnums=tuple(full.batch_argnums))
 
 
+class MicroSteps:
+    """The step traced at one microbatch and its op graph, once per microbatch count:
+    auto's stage search and the hand-written pipelines it compares itself with plan the
+    same step at the same counts (each trace of a large model takes seconds)."""
+
+    def __init__(self, full: StepSignature, args: Sequence[Any], logical_axes: Any = None):
+        self.full, self.args, self.logical_axes = full, args, logical_axes
+        self._made: dict[int, tuple[StepSignature, Graph]] = {}
+
+    def get(self, microbatches: int) -> tuple[StepSignature, Graph]:
+        if microbatches not in self._made:
+            micro = micro_signature(self.full, self.args, microbatches, self.logical_axes)
+            self._made[microbatches] = (micro, build_graph(micro.jaxpr))
+        return self._made[microbatches]
+
+
 def default_microbatches(full: StepSignature, mesh: DeviceMesh, intra: str, stages: int,
                          options: SearchOptions) -> int:
     """Twice the stages (MaxText's advice), or the most microbatches below that which cut
@@ -105,11 +122,12 @@ def default_microbatches(full: StepSignature, mesh: DeviceMesh, intra: str, stag
 
 def plan_manual_pipeline(full: StepSignature, args: Sequence[Any], mesh: DeviceMesh,
                          method: str, options: SearchOptions = SearchOptions(),
-                         logical_axes: Any = None,
-                         cache: RegionCache | None = None) -> PipelinePlan:
+                         logical_axes: Any = None, cache: RegionCache | None = None,
+                         micro_steps: MicroSteps | None = None) -> PipelinePlan:
     """The hand-written pipeline plan ``method`` for the step ``full`` (traced at the
     whole batch from ``args``), priced stage by stage where ``options.compare`` or a
-    ``memory_budget`` asks (as ``spmd.api.plan_manual`` scores a plan)."""
+    ``memory_budget`` asks (as ``spmd.api.plan_manual`` scores a plan). ``micro_steps``:
+    traces already made of this step (else made here)."""
     if method not in PIPELINE_METHODS:
         raise PlanError(f"unknown pipeline method {method!r}; valid: "
                         f"{', '.join(PIPELINE_METHODS)}")
@@ -118,12 +136,14 @@ def plan_manual_pipeline(full: StepSignature, args: Sequence[Any], mesh: DeviceM
     p = len(meshes)
     intra = PIPELINE_METHODS[method][0]
     m = pipe.microbatches or default_microbatches(full, meshes[0], intra, p, options)
-    micro = micro_signature(full, args, m, logical_axes)
+    micro_steps = micro_steps if micro_steps is not None else MicroSteps(full, args,
+                                                                         logical_axes)
+    micro, graph = micro_steps.get(m)
     layers = pipe.layers or p
     if layers < p:
         raise PlanError(f"PipelineOptions.layers={layers} is fewer than the {p} stages of "
                         f"mesh axis {pipe.stage_axis!r}")
-    layered = LayeredStep(micro.jaxpr, layers)
+    layered = LayeredStep(micro.jaxpr, layers, graph)
     starts = [s * layers // p for s in range(p)]
     split = layered.split(starts)
     pins = user_pins(micro.leaves, options.logical_rules(), meshes[0])

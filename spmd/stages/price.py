@@ -116,12 +116,15 @@ def price_stage(layered: LayeredStep, start: int, stop: int, mesh: DeviceMesh, *
                                      output_aliases=output_aliases, options=unbounded,
                                      cache=cache)
 
+    specs = {(p, True): dict(zip(regions[p].outputs, plans[p].result.output_specs))
+             for p in plans}
+    specs.update({(p, False): dict(zip(regions[p].inputs, plans[p].result.input_specs))
+                  for p in plans})
+
     def size(v: Value, p: str, output: bool = True) -> int:
-        spec = dict(zip(regions[p].outputs if output else regions[p].inputs,
-                        plans[p].result.output_specs if output else plans[p].result.input_specs))
         shape = graph.value_shape(v)
-        return bytes_per_device(shape, graph.value_dtype(v), spec.get(v) or ((),) * len(shape),
-                                mesh.shape)
+        return bytes_per_device(shape, graph.value_dtype(v),
+                                specs[p, output].get(v) or ((),) * len(shape), mesh.shape)
 
     def outside(v: Value) -> bool:  # read by another stage's microbatch work
         return any(not start <= layer[c] < stop and phase[c] != UPDATE

@@ -80,12 +80,6 @@ class StageSplit:
     tasks: list[Task]
     accumulated: list[Value]
 
-    def task(self, stage: int, phase: str) -> Task | None:
-        for t in self.tasks:
-            if t.stage == stage and t.phase == phase:
-                return t
-        return None
-
     def homes(self, output_aliases: Mapping[int, int]) -> list[int]:
         """The stage each step input is kept on between steps: the one whose update makes
         its new value (``output_aliases``: the step's output -> input map), else the first
