@@ -18,6 +18,7 @@ from spmd.plan import Plan
 from spmd.planner import plan_auto, score_manual, step_inputs
 from spmd.runtime.compile import Executable, prepare
 from spmd.runtime.pipeline import PipelineExecutable
+from spmd.runtime.transfer import absent, holds
 from spmd.runtime.nodes import NodeStateCache, StateRead
 from spmd.sharding import Spec, replicated
 from spmd.stages.auto import considers_pipelines, hand_written_pipelines, plan_two_level
@@ -336,7 +337,8 @@ def materialize(create_fn: Callable[[], Any], p: Plan) -> Any:
     ``create_fn`` must return the step's graph-node arguments in order (e.g. ``(model,
     optimizer)``) and be a pure function of nothing but constants (seeded initializers).
     A pipeline plan's state is built stage by stage, each stage's leaves by a program on its
-    own devices (the initializers of the other stages' leaves are dead code there).
+    own devices (the initializers of the other stages' leaves are dead code there); a process
+    holding none of a stage's devices gets its leaves as arrays with no shard here.
     """
     sig = p.bound_signature()
     abstract = eval_shape(create_fn)
@@ -354,7 +356,14 @@ def materialize(create_fn: Callable[[], Any], p: Plan) -> Any:
     for i, sharding in enumerate(flat_shardings):
         by_devices.setdefault(frozenset(sharding.device_set), []).append(i)
     flat: list[Any] = [None] * len(flat_shardings)
+    abstract_leaves = jax.tree.leaves(abstract_state)
     for chosen in by_devices.values():
+        if not holds(flat_shardings[chosen[0]]):  # another process's stage builds these
+            for i in chosen:
+                flat[i] = absent(abstract_leaves[i].shape, abstract_leaves[i].dtype,
+                                 flat_shardings[i])
+            continue
+
         def pick(chosen=chosen):
             leaves = build()
             return [leaves[i] for i in chosen]

@@ -220,7 +220,8 @@ def _programs_summary(compiled: dict) -> str:
     """A pipeline's compiled programs, one line each: the collectives XLA emitted in it."""
     import spmd
 
-    lines = [f"compiled programs ({len(compiled)}, one per stage and phase):"]
+    lines = [f"compiled programs ({len(compiled)}: one per stage and phase this process "
+             f"runs, and the copies between stages across processes):"]
     for name, program in compiled.items():
         report = spmd.analyze(program)
         kinds = ", ".join(f"{kind} x{count} ({nbytes / 1e6:.2f} MB)"

@@ -8,11 +8,14 @@ import jax
 import numpy as np
 
 from spmd.plan import Plan
+from spmd.runtime.transfer import absent, holds
 
 
 def _local_rows(sharding, shape: tuple[int, ...]) -> slice:
     """The contiguous range of dim 0 that this process's devices hold."""
     index_map = sharding.addressable_devices_indices_map(shape)
+    if not index_map:  # none of its devices here (another process's pipeline stage)
+        return slice(0, 0)
     starts, stops = [], []
     for index in index_map.values():
         rows = index[0] if index else slice(None)
@@ -56,7 +59,8 @@ def shard_batch(plan: Plan, local_batch: Any) -> Any:
     leaves = jax.tree.leaves(local_batch)
     if len(leaves) != len(shardings):
         raise ValueError("the batch does not match the plan's batch structure")
-    out = [jax.make_array_from_process_local_data(s, np.asarray(x), shape)
-           if jax.process_count() > 1 else jax.device_put(x, s)
+    out = [jax.device_put(x, s) if jax.process_count() == 1
+           else jax.make_array_from_process_local_data(s, np.asarray(x), shape) if holds(s)
+           else absent(shape, np.asarray(x).dtype, s)
            for x, s, shape in zip(leaves, shardings, shapes)]
     return jax.tree.unflatten(jax.tree.structure(local_batch), out)

@@ -29,7 +29,7 @@ LAYERS = [
     {"spmd.plan", "spmd.explain", "spmd.logical", "spmd.manual", "spmd.stages.plan"},
     {"spmd.planner", "spmd.cache", "spmd.stages.manual", "spmd.stages.auto"},
     {"spmd.runtime.constrain", "spmd.runtime.compile", "spmd.runtime.nodes",
-     "spmd.runtime.pipeline"},
+     "spmd.runtime.pipeline", "spmd.runtime.transfer"},
     {"spmd.analysis.hlo", "spmd.analysis.reconcile", "spmd.analysis.report", "spmd.data"},
     {"spmd.api"},
     {"spmd.checkpoint"},  # a step's state on disk, restored into any plan's shardings

@@ -107,7 +107,7 @@ def test_each_stage_holds_the_memory_its_schedule_predicts(mesh):
     one_f_one_b.measure = True
     one_f_one_b(leaves)
     temps = [0] * len(plan.stages)
-    for task, compiled in one_f_one_b.compiled().items():
+    for task, compiled in one_f_one_b.compiled().items():  # "stage 0 forward", ...
         s = int(task.split()[1])
         temps[s] = max(temps[s], compiled.memory_analysis().temp_size_in_bytes)
     m = plan.microbatches
@@ -123,6 +123,37 @@ def test_each_stage_holds_the_memory_its_schedule_predicts(mesh):
             predicted = st.cost.memory(pipeline.schedule.in_flight(s))
             assert predicted == pytest.approx(measured, rel=0.15), (
                 pipeline.schedule.name, s, predicted, measured)
+
+
+def test_copies_between_stages_as_collective_permutes(mesh):
+    """The copies a pipeline across processes makes (``StageLinks``), here in one process:
+    the same step results as ``jax.device_put``'s copies, and each copy's program is one
+    collective-permute of the bytes the pipeline counted, the activation's as predicted."""
+    spec = zoo.get("gpt-tiny")
+    batch = spec.batch(16, 0)
+    step = spmd.parallelize(spec.train_step, mesh=mesh, method="pp_dp")  # priced, 1F1B
+    plan = step.plan_for(*spmd.eval_shape(spec.training_state), batch)
+    net, opt = spmd.materialize(spec.training_state, plan)
+    pipeline = step._prepare((net, opt, batch)).executable.pipeline
+    leaves = plan.signature.flatten_args((net, opt, batch))
+    by_device_put = pipeline(leaves)
+    copied = list(pipeline.transfers)
+    pipeline.collective = True
+    by_permute = pipeline(leaves)
+    assert pipeline.transfers == copied
+    for a, b in zip(by_device_put, by_permute):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    counted = {nbytes for _, _, nbytes in copied}
+    sends = {name: spmd.analyze(c) for name, c in pipeline.compiled().items()
+             if name.startswith("send")}
+    assert sends
+    for name, report in sends.items():
+        ((kind, (count, nbytes)),) = [(k, c) for k, c in report.collectives.items() if c[0]]
+        assert (kind, count) == ("collective-permute", 1) and nbytes in counted, (name, report)
+    micro = batch["inputs"].shape[0] // plan.microbatches
+    forward = [r for name, r in sends.items() if name.startswith("send 0->1")
+               and f"[{micro}," in name]
+    assert sum(r.total_collective_bytes for r in forward) == plan.stages[0].cost.sent_forward
 
 
 def test_training_matches_one_device_and_schedules_agree(mesh):

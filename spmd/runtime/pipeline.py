@@ -6,7 +6,7 @@ Why MPMD first: it runs any split (stages of unequal work, a tied embedding read
 first and last stage) and any schedule, 1F1B included, on stock JAX; jax dispatches each
 program asynchronously, so the host only orders the work and the stages' devices run side
 by side. (An SPMD pipeline, stages stacked on a mesh axis inside one program, needs stages
-of identical structure; MaxText's way, and the runtime for the multi-process case.)
+of identical structure; MaxText's way.)
 
 Per step:
 
@@ -15,17 +15,24 @@ Per step:
    value, else the first reader), copied to any other stage that reads them; each batch
    leaf is cut into ``microbatches`` equal slices along its first dimension;
 2. the forward and backward tasks run per microbatch in the schedule's order, activations
-   and gradients crossing stages by ``jax.device_put`` onto the reader's devices (same
-   partition spec: the stages' submeshes have the same axis names). The accumulated values
-   (``StageSplit.accumulated``: gradients, the loss) are summed inside the producing task's
-   program from the second microbatch on; a value is dropped once its last reader ran;
+   and gradients crossing stages onto the reader's devices in the same partition spec (the
+   stages' submeshes have the same axis names): by ``jax.device_put`` in one process, by a
+   collective-permute program (``spmd.runtime.transfer``) across processes. The accumulated
+   values (``StageSplit.accumulated``: gradients, the loss) are summed inside the producing
+   task's program from the second microbatch on; a value is dropped once its last reader
+   ran;
 3. the update tasks run once, reading the sums times ``1 / microbatches`` (the average,
    exact for a mean loss); the new state leaves in the input's spec on its home stage, so the
    next step takes it as it is.
 
+Several processes (a stage's devices on one host, as ``meshes/cpu-2x4-pp.yaml`` has it):
+every process walks the same schedule, runs the tasks of the stages it holds devices of, and
+takes part in each copy to or from them at the same point, so the collectives pair up. A
+process sees another process's state as arrays with no shard here (``absent``); the loss
+and the other results are copied to every stage, so every process can read them.
+
 Not done yet: donation of the old state's buffers (the update's inputs stay alive until it
-returns), and more than one process (each process would drive the tasks of its own stages
-and the transfers would become cross-process sends).
+returns).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from spmd.cluster.mesh import DeviceMesh
 from spmd.errors import PlanError
 from spmd.runtime.constrain import constrained
+from spmd.runtime.transfer import StageLinks, absent, holds
 from spmd.search.regions import RegionPlan
 from spmd.sharding import Spec, to_partition_spec
 from spmd.stages.schedule import Schedule
@@ -74,6 +82,7 @@ class _Program:
     reads: list[Value]                # the region inputs it is called with, in order
     accumulates: list[int]            # positions in region.outputs that are accumulated
     first: Any                        # jitted: reads -> outputs
+    out_shardings: tuple              # of the outputs (None: as XLA chooses)
     then: Any = None                  # jitted: reads + sums -> outputs + new sums
 
 
@@ -82,7 +91,8 @@ class Pipeline:
     batch and returns its flat outputs, as the step would."""
 
     def __init__(self, split: StageSplit, stages: Sequence[StagePlacement], sched: Schedule,
-                 batch_inputs: Sequence[int], output_aliases: Mapping[int, int]):
+                 batch_inputs: Sequence[int], output_aliases: Mapping[int, int],
+                 collective: bool = False):
         if len(stages) != split.num_stages or sched.stages != split.num_stages:
             raise PlanError(f"the split has {split.num_stages} stages, the placement "
                             f"{len(stages)} and the schedule {sched.stages}")
@@ -93,6 +103,13 @@ class Pipeline:
         self.output_aliases = dict(output_aliases)
         self.meshes = [s.mesh.jax_mesh() for s in self.stages]
         self._devices = [frozenset(m.devices.flat) for m in self.meshes]
+        #: per stage, whether this process holds any of its devices (runs its tasks)
+        self._runs = [holds(NamedSharding(m, PartitionSpec())) for m in self.meshes]
+        #: copies between stages by collective-permute programs (``StageLinks``), not
+        #: ``jax.device_put``: needed across processes, and on request in one
+        self.collective = collective or jax.process_count() > 1
+        self.links = StageLinks(self.meshes)
+        self._splitters: dict[tuple, Any] = {}
         graph = split.graph
         self._accumulated = set(split.accumulated)
         for v in split.accumulated:
@@ -103,6 +120,14 @@ class Pipeline:
                                 f"and only floating values can be averaged over microbatches")
         self.home = split.homes(self.output_aliases)
         self.programs = {(t.stage, t.phase): self._program(t) for t in split.tasks}
+        #: per value a task makes: the stage it is made on and the spec its program gives it
+        #: (None: as XLA chooses)
+        self._made_on: dict[Value, int] = {}
+        self._out_spec: dict[Value, PartitionSpec | None] = {}
+        for (stage, _), program in self.programs.items():
+            for v, sharding in zip(program.task.region.outputs, program.out_shardings):
+                self._made_on[v] = stage
+                self._out_spec[v] = None if sharding is None else sharding.spec
         #: the last call's copies between stages: (to stage, what, bytes per device), what
         #: being "activation" (a forward or backward value of a microbatch) or "state"
         self.transfers: list[tuple[int, str, int]] = []
@@ -138,29 +163,49 @@ class Pipeline:
         spec = self.stages[stage].input_specs[leaf]
         return NamedSharding(self.meshes[stage], to_partition_spec(spec))
 
-    def _onto(self, x: Any, stage: int, sharding: NamedSharding | None = None,
-              what: str = "state") -> Any:
-        """``x`` on the stage's devices: as it is if already there, else copied with its
-        partition spec (or ``sharding``); a copy between stages is counted in
-        ``transfers``."""
-        if sharding is None:
-            if isinstance(x, jax.Array) and set(x.devices()) == self._devices[stage]:
-                return x
-            spec = x.sharding.spec if isinstance(getattr(x, "sharding", None),
-                                                 NamedSharding) else PartitionSpec()
-            sharding = NamedSharding(self.meshes[stage], spec)
-        elif isinstance(x, jax.Array) and x.sharding == sharding:
+    def _put(self, x: Any, stage: int, sharding: NamedSharding) -> Any:
+        """``x`` (a host value, or an array on ``stage``'s devices) in ``sharding`` there;
+        None where this process holds no device of the stage."""
+        if not self._runs[stage]:
+            return None
+        if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
             return x
-        moved = jax.device_put(x, sharding)
-        if isinstance(x, jax.Array) and set(x.devices()) != self._devices[stage]:
+        return jax.device_put(x, sharding)
+
+    def _move(self, x: Any, src: int, dst: int, spec: PartitionSpec | None,
+              shape: Sequence[int], dtype: Any, sharding: NamedSharding | None = None,
+              what: str = "state") -> Any:
+        """``x``, held by stage ``src`` in ``spec`` (None: as its program left it), on stage
+        ``dst`` in ``sharding`` (default: the same spec there); None where this process holds
+        no device of ``dst``. Every process calls it at the same point of the step, so a copy
+        between processes (``StageLinks``) has both ends; a copy between stages is counted in
+        ``transfers``."""
+        if src == dst:
+            return self._put(x, dst, sharding) if sharding is not None else x
+        if not (self._runs[src] or self._runs[dst]):
+            return None
+        if not self.collective:  # one process: jax copies device to device
+            if spec is None:
+                spec = x.sharding.spec if isinstance(x.sharding, NamedSharding) else PartitionSpec()
+            moved = jax.device_put(x, sharding or NamedSharding(self.meshes[dst], spec))
+        else:
+            if spec is None:  # a spec the other process cannot know: send the value whole
+                spec = PartitionSpec()
+                if x is not None:
+                    x = self._put(x, src, NamedSharding(self.meshes[src], spec))
+            moved = self.links.send(x, src, dst, spec, shape, dtype)
+            if moved is not None and sharding is not None:
+                moved = self._put(moved, dst, sharding)
+        if moved is not None:
             per_device = max(shard.data.nbytes for shard in moved.addressable_shards)
-            self.transfers.append((stage, what, per_device))
+            self.transfers.append((dst, what, per_device))
         return moved
 
     def place(self, leaves: Sequence[Any]) -> list[Any]:
-        """The state leaves on their home stages in their specs (batch leaves as given)."""
-        return [x if i in self.batch_inputs else self._onto(x, self.home[i],
-                                                             self._sharding(self.home[i], i))
+        """The state leaves on their home stages in their specs (batch leaves as given;
+        None for a host value whose home stage this process holds no device of)."""
+        return [x if i in self.batch_inputs
+                else self._put(x, self.home[i], self._sharding(self.home[i], i))
                 for i, x in enumerate(leaves)]
 
     # -- programs ----------------------------------------------------------------------------
@@ -196,8 +241,9 @@ class Pipeline:
             def update(*xs):
                 return call(*[x * scale if k in averaged else x for k, x in enumerate(xs)])
 
+            outs = self._out_shardings(task, plan)
             return _Program(task, reads, [], jax.jit(update, in_shardings=self._in_shardings(
-                task.stage, reads), out_shardings=self._out_shardings(task, plan)))
+                task.stage, reads), out_shardings=outs), outs)
         accumulates = [k for k, v in enumerate(region.outputs) if v in self._accumulated]
 
         def then(*xs):
@@ -208,7 +254,7 @@ class Pipeline:
         shardings = self._in_shardings(task.stage, reads)
         outs = self._out_shardings(task, plan)
         return _Program(task, reads, accumulates,
-                        jax.jit(call, in_shardings=shardings, out_shardings=outs),
+                        jax.jit(call, in_shardings=shardings, out_shardings=outs), outs,
                         jax.jit(then, in_shardings=shardings + (None,) * len(accumulates),
                                 out_shardings=outs + tuple(outs[k] for k in accumulates)))
 
@@ -246,17 +292,20 @@ class Pipeline:
     def compiled(self) -> dict[str, Any]:
         """Each task's compiled program (the first microbatch's variant), for the shapes and
         shardings of the last call's arguments."""
-        if not self._last_args:
+        if not self._last_args and not self.links.last_args:
             raise PlanError("the pipeline has not run yet: call the step once first")
         def abstract(x: Any) -> Any:
             return (jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
                     if isinstance(x, jax.Array) else x)
 
         return {name: fn.lower(*map(abstract, args)).compile()
-                for name, (fn, args) in self._last_args.items()}
+                for name, (fn, args) in {**self._last_args, **self.links.last_args}.items()}
 
     # -- one step ------------------------------------------------------------------------------
     def _microbatches(self, leaves: Sequence[Any]) -> dict[int, list[Any]]:
+        """Per batch leaf, its microbatches: slices of a host value (which every process
+        has), else arrays on the leaf's home stage in its spec there (None where this process
+        holds no device of that stage)."""
         m = self.schedule.microbatches
         out = {}
         for i in self.batch_inputs:
@@ -266,21 +315,52 @@ class Pipeline:
                 raise PlanError(f"batch input {i} has {rows} rows, which {m} microbatches "
                                 f"cannot split evenly; use a batch that is a multiple of {m}")
             size = rows // m
-            out[i] = [x[j * size:(j + 1) * size] for j in range(m)]
+            if not isinstance(x, jax.Array):
+                x = np.asarray(x)
+                out[i] = [x[j * size:(j + 1) * size] for j in range(m)]
+                continue
+            home, sharding = self.home[i], self._sharding(self.home[i], i)
+            if not self._runs[home]:
+                out[i] = [None] * m
+                continue
+            key = (i, size, x.shape)
+            if key not in self._splitters:
+                self._splitters[key] = jax.jit(
+                    lambda a: [a[j * size:(j + 1) * size] for j in range(m)],
+                    out_shardings=[sharding] * m)
+            out[i] = list(self._splitters[key](self._put(x, home, sharding)))
         return out
 
+    def _spec(self, stage: int, leaf: int) -> PartitionSpec:
+        return to_partition_spec(self.stages[stage].input_specs[leaf])
+
     def __call__(self, leaves: Sequence[Any]) -> list[Any]:
+        """One step, walked the same way by every process: each runs the tasks of the stages
+        it holds devices of and takes part in the copies to and from them."""
         graph, split = self.split.graph, self.split
         leaves = self.place(leaves)
         slices = self._microbatches(leaves)
         copies: dict[tuple[int, int], Any] = {}  # (stage, leaf) -> the leaf on that stage
+        envs: list[dict[Any, Any]] = [{} for _ in range(self.schedule.microbatches)]
 
         def step_input(v: Value, stage: int, j: int) -> Any:
             i = graph.nodes[v.node].input_index
+            sharding = self._sharding(stage, i)
             if i in slices:
-                return self._onto(slices[i][j], stage, self._sharding(stage, i))
+                x = slices[i][j]
+                if isinstance(x, np.ndarray):  # a host value: put where it is read
+                    return self._put(x, stage, sharding)
+                key = ("batch", i, stage)
+                if key not in envs[j]:
+                    envs[j][key] = self._move(x, self.home[i], stage, self._spec(self.home[i], i),
+                                              (np.shape(leaves[i])[0] // len(envs),
+                                               *np.shape(leaves[i])[1:]),
+                                              leaves[i].dtype, sharding)
+                return envs[j][key]
             if (stage, i) not in copies:
-                copies[stage, i] = self._onto(leaves[i], stage, self._sharding(stage, i))
+                copies[stage, i] = self._move(leaves[i], self.home[i], stage,
+                                              self._spec(self.home[i], i), self._leaf_shape(i),
+                                              self._leaf_dtype(i), sharding)
             return copies[stage, i]
 
         self.transfers.clear()
@@ -288,12 +368,16 @@ class Pipeline:
         def moved(env: dict, v: Value, stage: int) -> Any:
             """A microbatch's value on ``stage``, copied there once however many of its
             tasks read it."""
+            src = self._made_on[v]
+            if src == stage:
+                return env[v]
             key = (v, stage)
             if key not in env:
-                env[key] = self._onto(env[v], stage, what="activation")
+                env[key] = self._move(env[v], src, stage, self._out_spec[v],
+                                      graph.value_shape(v), graph.value_dtype(v),
+                                      what="activation")
             return env[key]
 
-        envs: list[dict[Any, Any]] = [{} for _ in range(self.schedule.microbatches)]
         left: list[dict[Value, int]] = [dict(self._readers) for _ in envs]
         sums: dict[Value, Any] = {}
         self.held = [0] * len(self.stages)
@@ -311,13 +395,15 @@ class Pipeline:
             args = [step_input(v, stage, j) if graph.nodes[v.node].kind == "input"
                     else moved(env, v, stage) for v in program.reads]
             region = program.task.region
-            if j == 0 or not program.accumulates:
+            produced = len(region.outputs)
+            if not self._runs[stage]:  # another process's stage: its values are not here
+                outs = [None] * (produced + len(program.accumulates))
+            elif j == 0 or not program.accumulates:
                 self._last_args[program.task.name] = (program.first, args)
                 outs = program.first(*args)
             else:
                 outs = program.then(*args, *[sums[region.outputs[k]]
                                              for k in program.accumulates])
-            produced = len(region.outputs)
             for k, v in enumerate(region.outputs):
                 env[v] = outs[k]
             for n, k in enumerate(program.accumulates):
@@ -339,26 +425,61 @@ class Pipeline:
                 continue
             program = self.programs[t.stage, t.phase]
             args = [step_input(v, t.stage, 0) if graph.nodes[v.node].kind == "input"
-                    else self._onto(sums[v] if v in sums else made[v], t.stage)
+                    else self._move(sums[v] if v in sums else made[v], self._made_on[v],
+                                    t.stage, self._out_spec[v], graph.value_shape(v),
+                                    graph.value_dtype(v))
                     for v in program.reads]
-            self._last_args[t.name] = (program.first, args)
-            for v, x in zip(t.region.outputs, program.first(*args)):
+            if self._runs[t.stage]:
+                self._last_args[t.name] = (program.first, args)
+                outs = program.first(*args)
+            else:
+                outs = [None] * len(t.region.outputs)
+            for v, x in zip(t.region.outputs, outs):
                 made[v] = x
             measure(leaves, copies.values(), sums.values(), made.values())
+        return self._outputs(leaves, sums, made)
+
+    def _outputs(self, leaves: Sequence[Any], sums: Mapping[Value, Any],
+                 made: Mapping[Value, Any]) -> list[Any]:
+        """The step's flat outputs. Where this process holds none of a new state leaf it is
+        an ``absent`` array in the leaf's sharding on its home stage; in a run of several
+        processes every other output (the loss, metrics) is copied to each stage, so every
+        process can read it."""
+        graph = self.split.graph
         scale = 1.0 / self.schedule.microbatches
+        aliased = dict(self.output_aliases)
         out = []
         for k, v in enumerate(graph.outputs):
             if v is None:
                 out.append(graph.output_literals[k])
-            elif v in made:
-                out.append(made[v])
-            elif v in sums:
-                out.append(sums[v] * scale)
-            elif graph.nodes[v.node].kind == "input":
-                out.append(leaves[graph.nodes[v.node].input_index])
+                continue
+            node = graph.nodes[v.node]
+            if node.kind == "input":
+                x, src = leaves[node.input_index], self.home[node.input_index]
+            elif v in made or v in sums:
+                x = made[v] if v in made else None if sums[v] is None else sums[v] * scale
+                src = self._made_on[v]
             else:
                 out.append(graph.constants.get(v.node))
+                continue
+            if k in aliased:
+                i = aliased[k]
+                out.append(x if x is not None else absent(
+                    self._leaf_shape(i), self._leaf_dtype(i), self._sharding(self.home[i], i)))
+                continue
+            if jax.process_count() > 1:
+                copies = [x if s == src else self._move(x, src, s, None, graph.value_shape(v),
+                                                        graph.value_dtype(v), what="result")
+                          for s in range(len(self.stages))]
+                x = next((c for c in copies if c is not None), None)
+            out.append(x)
         return out
+
+    def _leaf_shape(self, leaf: int) -> tuple[int, ...]:
+        return self.split.graph.value_shape(Value(self.split.graph.inputs[leaf], 0))
+
+    def _leaf_dtype(self, leaf: int) -> Any:
+        return self.split.graph.value_dtype(Value(self.split.graph.inputs[leaf], 0))
 
 
 class PipelineExecutable:
@@ -366,10 +487,6 @@ class PipelineExecutable:
     executable through (``plan``, ``place``, calling it on flat leaves)."""
 
     def __init__(self, plan: "PipelinePlan"):
-        if jax.process_count() > 1:
-            raise PlanError(f"method {plan.method!r}: the MPMD pipeline runtime drives every "
-                            f"stage from one process, and this run has {jax.process_count()}; "
-                            f"run it in one process (a mesh without `distributed:`)")
         self.plan = plan
         leaves = plan.signature.leaves
         self.pipeline = Pipeline(
