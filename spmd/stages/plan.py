@@ -97,7 +97,8 @@ class PipelinePlan:
     prediction: PipelinePrediction | None = None
     runtime: str = "mpmd"
     why_runtime: str = ("MPMD: one program per stage and phase, driven from the host, runs "
-                        "stages of any structure and the 1F1B schedule")
+                        "stages of any structure and the 1F1B schedule, in one process or "
+                        "across several")
     alternatives: dict[str, Any] = dataclasses.field(default_factory=dict)
     search: dict | None = None
 
