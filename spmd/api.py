@@ -129,6 +129,11 @@ def _plan_auto_levels(sig: StepSignature, args: Sequence[Any], mesh: DeviceMesh,
     return staged
 
 
+def _runnable(p: Plan | PipelinePlan, donate: bool | None) -> Any:
+    """The executable of a plan: one jitted program, or a pipeline of them."""
+    return PipelineExecutable(p, donate) if isinstance(p, PipelinePlan) else prepare(p, donate)
+
+
 def plan_manual(sig: StepSignature, mesh: DeviceMesh, method: str,
                 options: SearchOptions | None = None) -> Plan:
     """A hand-written plan for an already traced step (``spmd.plan`` traces it first;
@@ -227,7 +232,7 @@ class ParallelStep:
         sig = plan.bound_signature()
         step = cls(sig.step_fn, plan.mesh, plan.method, logical_axes=logical_axes,
                    batch_argnums=tuple(sig.batch_argnums), donate=donate, options=options)
-        step._prepared[sig.in_treedef, _avals(sig.in_avals)] = prepare(plan, donate)
+        step._prepared[sig.in_treedef, _avals(sig.in_avals)] = _runnable(plan, donate)
         return step
 
     @property
@@ -264,8 +269,7 @@ class ParallelStep:
             p = plan(self.step_fn, *args, mesh=self.mesh, method=self.method,
                      logical_axes=self.logical_axes, batch_argnums=self.batch_argnums,
                      options=self.options)
-            self._prepared[key] = (PipelineExecutable(p) if isinstance(p, PipelinePlan)
-                                   else prepare(p, self.donate))
+            self._prepared[key] = _runnable(p, self.donate)
         return self._prepared[key]
 
     def plan_for(self, *args: Any) -> Plan:

@@ -31,8 +31,10 @@ takes part in each copy to or from them at the same point, so the collectives pa
 process sees another process's state as arrays with no shard here (``absent``); the loss
 and the other results are copied to every stage, so every process can read them.
 
-Not done yet: donation of the old state's buffers (the update's inputs stay alive until it
-returns).
+With ``donate`` (an NNX step's default, as for one program: spmd writes the new state
+back), each update program is given the buffers of the old state it replaces, so the
+stage does not hold the old and the new state at once; a leaf another stage's update also
+reads is not donated.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from spmd.cluster.mesh import DeviceMesh
 from spmd.errors import PlanError
 from spmd.runtime.constrain import constrained
-from spmd.runtime.transfer import StageLinks, absent, holds
+from spmd.runtime.transfer import StageLinks, absent, abstract, holds
 from spmd.search.regions import RegionPlan
 from spmd.sharding import Spec, to_partition_spec
 from spmd.stages.schedule import Schedule
@@ -92,7 +94,7 @@ class Pipeline:
 
     def __init__(self, split: StageSplit, stages: Sequence[StagePlacement], sched: Schedule,
                  batch_inputs: Sequence[int], output_aliases: Mapping[int, int],
-                 collective: bool = False):
+                 collective: bool = False, donate: bool = False):
         if len(stages) != split.num_stages or sched.stages != split.num_stages:
             raise PlanError(f"the split has {split.num_stages} stages, the placement "
                             f"{len(stages)} and the schedule {sched.stages}")
@@ -108,6 +110,7 @@ class Pipeline:
         #: copies between stages by collective-permute programs (``StageLinks``), not
         #: ``jax.device_put``: needed across processes, and on request in one
         self.collective = collective or jax.process_count() > 1
+        self.donate = donate
         self.links = StageLinks(self.meshes)
         self._splitters: dict[tuple, Any] = {}
         graph = split.graph
@@ -135,7 +138,7 @@ class Pipeline:
         #: arrays between its programs (state, copies, activations, sums)
         self.measure = False
         self.held: list[int] = [0] * len(self.stages)
-        #: per task: its jitted program and the arguments of the last call (``compiled``)
+        #: per task: its jitted program and the last call's arguments, abstract (``compiled``)
         self._last_args: dict[str, tuple[Any, list[Any]]] = {}
         #: per microbatch-phase value: how many of one microbatch's tasks read it
         self._readers: dict[Value, int] = {}
@@ -242,8 +245,9 @@ class Pipeline:
                 return call(*[x * scale if k in averaged else x for k, x in enumerate(xs)])
 
             outs = self._out_shardings(task, plan)
-            return _Program(task, reads, [], jax.jit(update, in_shardings=self._in_shardings(
-                task.stage, reads), out_shardings=outs), outs)
+            return _Program(task, reads, [], jax.jit(
+                update, in_shardings=self._in_shardings(task.stage, reads), out_shardings=outs,
+                donate_argnums=self._donated(task, reads)), outs)
         accumulates = [k for k, v in enumerate(region.outputs) if v in self._accumulated]
 
         def then(*xs):
@@ -257,6 +261,21 @@ class Pipeline:
                         jax.jit(call, in_shardings=shardings, out_shardings=outs), outs,
                         jax.jit(then, in_shardings=shardings + (None,) * len(accumulates),
                                 out_shardings=outs + tuple(outs[k] for k in accumulates)))
+
+    def _donated(self, task: Task, reads: Sequence[Value]) -> tuple[int, ...]:
+        """The positions in ``reads`` of the state leaves whose new value ``task`` (an
+        update) makes on their home stage and no other update reads (with ``donate``)."""
+        if not self.donate:
+            return ()
+        graph = self.split.graph
+        made = set(task.region.outputs)
+        replaced = {i for o, i in self.output_aliases.items()
+                    if graph.outputs[o] in made and self.home[i] == task.stage}
+        read_elsewhere = {graph.nodes[v.node].input_index for t in self.split.tasks
+                          if t.phase == UPDATE and t is not task for v in t.region.inputs
+                          if graph.nodes[v.node].kind == "input"}
+        return tuple(k for k, v in enumerate(reads) if graph.nodes[v.node].kind == "input"
+                     and graph.nodes[v.node].input_index in replaced - read_elsewhere)
 
     def _in_shardings(self, stage: int, reads: Sequence[Value]) -> tuple:
         graph = self.split.graph
@@ -281,7 +300,7 @@ class Pipeline:
         per_device: dict[Any, int] = {}
         seen: set[int] = set()
         for x in arrays:
-            if not isinstance(x, jax.Array) or id(x) in seen:
+            if not isinstance(x, jax.Array) or id(x) in seen or x.is_deleted():  # donated
                 continue
             seen.add(id(x))
             for shard in x.addressable_shards:
@@ -294,11 +313,7 @@ class Pipeline:
         shardings of the last call's arguments."""
         if not self._last_args and not self.links.last_args:
             raise PlanError("the pipeline has not run yet: call the step once first")
-        def abstract(x: Any) -> Any:
-            return (jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-                    if isinstance(x, jax.Array) else x)
-
-        return {name: fn.lower(*map(abstract, args)).compile()
+        return {name: fn.lower(*args).compile()
                 for name, (fn, args) in {**self._last_args, **self.links.last_args}.items()}
 
     # -- one step ------------------------------------------------------------------------------
@@ -399,7 +414,7 @@ class Pipeline:
             if not self._runs[stage]:  # another process's stage: its values are not here
                 outs = [None] * (produced + len(program.accumulates))
             elif j == 0 or not program.accumulates:
-                self._last_args[program.task.name] = (program.first, args)
+                self._last_args[program.task.name] = (program.first, list(map(abstract, args)))
                 outs = program.first(*args)
             else:
                 outs = program.then(*args, *[sums[region.outputs[k]]
@@ -430,7 +445,7 @@ class Pipeline:
                                     graph.value_dtype(v))
                     for v in program.reads]
             if self._runs[t.stage]:
-                self._last_args[t.name] = (program.first, args)
+                self._last_args[t.name] = (program.first, list(map(abstract, args)))
                 outs = program.first(*args)
             else:
                 outs = [None] * len(t.region.outputs)
@@ -486,15 +501,18 @@ class PipelineExecutable:
     """A ``PipelinePlan`` made runnable, with the interface ``spmd.api`` calls a plan's
     executable through (``plan``, ``place``, calling it on flat leaves)."""
 
-    def __init__(self, plan: "PipelinePlan"):
+    def __init__(self, plan: "PipelinePlan", donate: bool | None = None):
+        """``donate`` (default: True for NNX steps, whose state spmd writes back, as
+        ``spmd.runtime.compile.prepare`` does): the updates reuse the old state's buffers."""
         self.plan = plan
-        leaves = plan.signature.leaves
+        sig = plan.signature
+        leaves = sig.leaves
         self.pipeline = Pipeline(
             plan.split, [StagePlacement(st.mesh, st.input_specs,
                                         st.cost.plans if st.cost is not None else {})
                          for st in plan.stages],
             plan.schedule, [i for i, leaf in enumerate(leaves) if leaf.kind == "batch"],
-            plan.signature.output_aliases)
+            sig.output_aliases, donate=donate if donate is not None else sig.graphdef is not None)
 
     def place(self, leaves: Sequence[Any]) -> list[Any]:
         return self.pipeline.place(leaves)

@@ -41,6 +41,13 @@ def absent(shape: Sequence[int], dtype: Any, sharding: jax.sharding.Sharding) ->
                                                     dtype=np.dtype(dtype))
 
 
+def abstract(x: Any) -> Any:
+    """An array as its shape, dtype and sharding (what compiling for it needs), keeping no
+    buffer alive: a program's arguments are kept so, for reports, between calls."""
+    return (jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+            if isinstance(x, jax.Array) else x)
+
+
 class StageLinks:
     """Transfer programs between the stages' submeshes (of one shape and axis names)."""
 
@@ -48,7 +55,8 @@ class StageLinks:
         self.meshes = list(meshes)
         self._programs: dict[tuple[int, int, PartitionSpec], Any] = {}
         self._zeros: dict[tuple[Any, tuple[int, ...], str], jax.Array] = {}
-        #: per transfer program and shape: the program and the arguments of its last call
+        #: per transfer program and shape: the program and its last call's arguments
+        #: (``abstract``)
         self.last_args: dict[str, tuple[Any, list[Any]]] = {}
 
     def _union(self, src: int, dst: int) -> Mesh:
@@ -101,7 +109,7 @@ class StageLinks:
             buffers.append(sent[device] if device in senders
                            else self._zero(device, shard_shape, dtype))
         joined = jax.make_array_from_single_device_arrays(shape, sharding, buffers, dtype=dtype)
-        self.last_args[f"send {src}->{dst} {dtype.name}{list(shape)}"] = (program, [joined])
+        self.last_args[f"send {src}->{dst} {dtype.name}{list(shape)}"] = (program, [abstract(joined)])
         arrived = program(joined)
         receivers = set(self.meshes[dst].devices.flat)
         mine = [s.data for s in arrived.addressable_shards if s.device in receivers]

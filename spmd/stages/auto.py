@@ -192,11 +192,13 @@ def _final_plan(full: StepSignature, mesh: DeviceMesh, options: SearchOptions,
                 traced: tuple[StepSignature, LayeredStep], best: _Candidate,
                 cache: RegionCache) -> PipelinePlan:
     """The chosen cut planned stage by stage: one search of each stage's whole layer range
-    fixes its inputs' specs, and its tasks are priced again with them."""
+    fixes its inputs' specs, and its tasks are priced again with them, recomputing where
+    the stage search chose to, or where the stage as planned would not fit otherwise."""
     micro, layered = traced
     meshes = carve(mesh, best.stages)
     link = stage_link(mesh, meshes)
-    split = layered.split(best.partition.starts)
+    sched = schedule(options.pipeline.schedule, best.stages, best.microbatches)
+    budget = mesh.device.memory_bytes if options.memory_budget is None else options.memory_budget
     bounds = list(best.partition.starts) + [layered.num_layers]
     inputs = _inputs(micro, meshes[0], options)
     stages = []
@@ -213,11 +215,17 @@ def _final_plan(full: StepSignature, mesh: DeviceMesh, options: SearchOptions,
                 specs[node.input_index] = spec
         pinned = [dataclasses.replace(i, pinned=specs[k]) for k, i in enumerate(inputs)]
         scoring = dataclasses.replace(options, time_limit=options.scoring()[0])
-        cost = price_stage(layered, bounds[s], bounds[s + 1], sub, step_inputs=pinned,
-                           output_aliases=micro.output_aliases, send_link=link,
-                           options=scoring, cache=cache)
+
+        def priced(recompute: bool):
+            return price_stage(layered, bounds[s], bounds[s + 1], sub, step_inputs=pinned,
+                               output_aliases=micro.output_aliases, send_link=link,
+                               options=scoring, cache=cache, recompute=recompute)
+
+        cost = priced(best.partition.recompute[s])
+        if not cost.recompute and cost.memory(sched.in_flight(s)) > budget:
+            cost = priced(True)
         stages.append(StagePlan(bounds[s], bounds[s + 1], sub, "auto", specs, cost))
-    sched = schedule(options.pipeline.schedule, best.stages, best.microbatches)
+    split = layered.split(best.partition.starts, [st.cost.recompute for st in stages])
     plan = PipelinePlan("auto", mesh, full.leaves, layered.num_layers, stages, sched, split,
                         full, micro)
     copies = shared_copy_time(split, micro.leaves, stages[0].input_specs, stages[0].mesh, link)

@@ -15,7 +15,9 @@ i's forward and backward time per microbatch). As Alpa does, every stage time th
 range has is tried as the bound ``t_max``; for each, a dynamic program over the layers finds
 the least ``sum(t_i)`` with every ``t_i <= t_max`` and every stage's memory, with as many
 microbatches in flight as the schedule keeps on it, under the budget; candidates stop once
-``B * t_max`` alone exceeds the best found. The update (each stage's own, at once) and the
+``B * t_max`` alone exceeds the best found. A range that does not fit as it runs is tried
+recomputing its forward values in its backward task (``spmd.stages.price``: GPipe's
+rematerialization, a stage's time for its memory); the stage recomputes only where it must. The update (each stage's own, at once) and the
 state copies are added after. Uniform submeshes only: Alpa also mixes submesh sizes, which
 needs a stage-by-stage device count in the program (not done yet).
 """
@@ -82,20 +84,32 @@ class Partition:
     costs: tuple[StageCost, ...]
     objective: float  # sum(t_i) + (B - 1) max(t_i), seconds
 
+    @property
+    def recompute(self) -> tuple[bool, ...]:
+        """Per stage, whether it recomputes its forward values in its backward task."""
+        return tuple(c.recompute for c in self.costs)
+
 
 def best_partition(layers: Sequence[StageCost], sched: Schedule, link: Link | None,
                    budget: float) -> Partition | None:
     """The cut of ``layers`` (each priced alone) into ``sched.stages`` contiguous stages
-    that minimizes Alpa's objective under ``budget`` bytes per device; None if none fits."""
+    that minimizes Alpa's objective under ``budget`` bytes per device; None if none fits.
+    A stage recomputes its forward values only where it would not fit otherwise."""
     n, p, m = len(layers), sched.stages, sched.microbatches
     if p > n:
         return None
     ranges: dict[tuple[int, int, int], StageCost] = {}
 
     def cost(a: int, b: int, s: int) -> StageCost:  # layers a..b-1 as stage s
-        key = (a, b, s == 0, s == p - 1)
+        key = (a, b, s)
         if key not in ranges:
-            ranges[key] = combine(layers[a:b], link, first=s == 0, last=s == p - 1)
+            first, last = s == 0, s == p - 1
+            kept = combine(layers[a:b], link, first=first, last=last)
+            if kept.memory(sched.in_flight(s)) > budget:
+                redone = combine(layers[a:b], link, first=first, last=last, recompute=True)
+                if redone.memory(sched.in_flight(s)) <= budget:
+                    kept = redone
+            ranges[key] = kept
         return ranges[key]
 
     def fits(a: int, b: int, s: int) -> bool:

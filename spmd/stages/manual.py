@@ -10,7 +10,9 @@ every stage, and twice as many microbatches as stages.
 
 "Equal layers" is the step's forward pass cut into as many ranges of balanced FLOPs as
 there are stages (``spmd.trace.layers``): for a GPT, whole blocks, with the embedding and
-the logits counted as the work they are.
+the logits counted as the work they are. A stage whose microbatches in flight would not fit
+the device's memory (or ``memory_budget``) recomputes its forward values in its backward
+task, as an expert turns on rematerialization where memory needs it.
 """
 
 from __future__ import annotations
@@ -145,7 +147,6 @@ def plan_manual_pipeline(full: StepSignature, args: Sequence[Any], mesh: DeviceM
                         f"mesh axis {pipe.stage_axis!r}")
     layered = LayeredStep(micro.jaxpr, layers, graph)
     starts = [s * layers // p for s in range(p)]
-    split = layered.split(starts)
     pins = user_pins(micro.leaves, options.logical_rules(), meshes[0])
     try:
         specs = manual_specs(micro.leaves, intra, meshes[0], pins)
@@ -161,13 +162,19 @@ def plan_manual_pipeline(full: StepSignature, args: Sequence[Any], mesh: DeviceM
     link = mesh.link(pipe.stage_axis) if p > 1 else None
     bounds = starts + [layers]
     priced = options.compare or options.memory_budget is not None  # as plan_manual scores
+    budget = mesh.device.memory_bytes if options.memory_budget is None else options.memory_budget
+    sched = schedule(pipe.schedule, p, m)
     stages = []
     for s, sub in enumerate(meshes):
-        cost = price_stage(layered, bounds[s], bounds[s + 1], sub, step_inputs=inputs,
-                           output_aliases=micro.output_aliases, send_link=link,
-                           options=scoring, cache=cache) if priced else None
+        cost = None
+        for recompute in (False, True) if priced else ():
+            cost = price_stage(layered, bounds[s], bounds[s + 1], sub, step_inputs=inputs,
+                               output_aliases=micro.output_aliases, send_link=link,
+                               options=scoring, cache=cache, recompute=recompute)
+            if cost.memory(sched.in_flight(s)) <= budget:
+                break
         stages.append(StagePlan(bounds[s], bounds[s + 1], sub, intra, list(specs), cost))
-    sched = schedule(pipe.schedule, p, m)
+    split = layered.split(starts, [st.cost is not None and st.cost.recompute for st in stages])
     plan = PipelinePlan(method, mesh, full.leaves, layers, stages, sched, split, full, micro)
     if priced:
         copies = shared_copy_time(split, micro.leaves, specs, meshes[0], link)

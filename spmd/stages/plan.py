@@ -139,7 +139,8 @@ class PipelinePlan:
                                   for leaf, spec in zip(self.leaves, st.input_specs)},
                         "cost": None if st.cost is None else {
                             f.name: getattr(st.cost, f.name)
-                            for f in dataclasses.fields(st.cost) if f.name != "plans"}}
+                            for f in dataclasses.fields(st.cost)
+                            if f.name not in ("plans", "received")}}
                        for st in self.stages],
             "prediction": None if pred is None else {
                 **dataclasses.asdict(pred), "total_time": pred.total_time,
@@ -164,15 +165,20 @@ class PipelinePlan:
                   f"{self.why_runtime}\n")
         out.write(f"{'stage':>5}  {'layers':>7}  {'devices':<28} {'plan':<8} "
                   f"{'fwd ms':>8} {'bwd ms':>8} {'update ms':>9} {'held':>4} {'GiB':>7} "
-                  f"{'sent MB':>8}\n")
+                  f"{'sent MB':>8}  recompute\n")
         for s, st in enumerate(self.stages):
             c = st.cost
             cells = (f"{c.forward * 1e3:8.3f} {c.backward * 1e3:8.3f} {c.update * 1e3:9.3f} "
                      f"{self.schedule.in_flight(s):4d} "
                      f"{c.memory(self.schedule.in_flight(s)) / 2**30:7.3f} "
-                     f"{c.sent / 1e6:8.2f}") if c is not None else "(not priced)"
+                     f"{c.sent / 1e6:8.2f}  {'yes' if c.recompute else 'no'}"
+                     ) if c is not None else "(not priced)"
             out.write(f"{s:5d}  {st.start:>3}-{st.stop - 1:<3}  {_devices(st.mesh):<28} "
                       f"{st.method:<8} {cells}\n")
+        if any(st.cost is not None and st.cost.recompute for st in self.stages):
+            out.write("recompute: the stage keeps of each microbatch only what other stages "
+                      "sent it, and its backward task runs its forward ops again (it would "
+                      "not fit its memory otherwise)\n")
         pred = self.prediction
         if pred is not None:
             out.write(f"predicted step {pred.total_time * 1e3:.3f} ms: schedule "

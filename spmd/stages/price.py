@@ -12,10 +12,17 @@ step inputs pinned where a hand-written plan fixes them. From those plans:
   sends its own shard) over the link's bandwidth, plus its latency;
 - **memory**: the optimizer state the update alone reads, the gradient sums, the larger of
   the forward's and the backward's own peak (each holds one microbatch's residuals: the
-  forward values the backward reads), and ``k - 1`` more microbatches' residuals: a
-  schedule holding ``k`` microbatches at once (1F1B: ``stages - s`` on stage s; GPipe: all)
-  needs ``k`` sets. The update's own peak (state, gradients and new state) is the other
-  bound.
+  forward values the backward reads, its own and those other stages sent it), and ``k - 1``
+  more microbatches' residuals: a schedule holding ``k`` microbatches at once (1F1B:
+  ``stages - s`` on stage s; GPipe: all) needs ``k`` sets. The update's own peak (state,
+  gradients and new state) is the other bound.
+
+A stage that **recomputes** (``recompute=True``; GPipe's rematerialization) keeps of each
+microbatch only the forward values other stages sent it, and runs its forward ops again in
+its backward task: its residuals shrink to those, its backward takes its forward's time
+more, and its backward task's peak holds one microbatch's forward values at once. The
+stage search prices each layer once, as it runs without recomputing, and derives a range's
+recomputing cost from those (``combine``); a chosen stage is then priced as it runs.
 """
 
 from __future__ import annotations
@@ -43,20 +50,28 @@ UNBOUNDED = 1e30
 class StageCost:
     """A stage's prediction (seconds; bytes per device of its submesh). Ranges of layers
     priced one by one add up (``combine``): times, state and residuals add, the transient
-    working memory is the largest of theirs."""
+    working memory is the largest of theirs.
+
+    ``received``: the forward values made before the stage's first layer that its tasks
+    read, as ``(value, the layer that makes it, bytes)``: what a recomputing stage keeps
+    of each microbatch."""
 
     forward: float         # one microbatch's forward (sends to other stages included)
     backward: float        # one microbatch's backward (sends included)
     update: float          # the update, once per step
     params: float          # the step inputs the forward and backward read (parameters)
     state: float           # what the update alone reads (optimizer state)
-    sums: float            # the gradient sums (accumulated over microbatches)
+    sums: float            # the gradient sums (accumulated over microbatches), as made
     residuals: float       # one microbatch's forward values its backward reads
     work: float            # the forward's or backward's peak beyond params and residuals
     update_work: float     # the update's peak beyond params, state and sums
     sent_forward: float    # bytes per device the forward sends to later layers
     sent_backward: float   # bytes per device the backward sends to earlier layers
     comm: float            # seconds of collectives: forward and backward, plus the update
+    forward_comm: float = 0.0  # seconds of the forward's collectives (once per microbatch)
+    first_layer: int = 0
+    received: tuple[tuple[Value, int, float], ...] = ()
+    recompute: bool = False  # the backward task runs the forward ops again
     plans: Mapping[str, RegionPlan] = dataclasses.field(default_factory=dict, repr=False)
     fits: bool = True      # every task's search found a plan under the device's memory
 
@@ -75,33 +90,48 @@ def link_time(nbytes: float, link: Link | None) -> float:
     return nbytes / link.bandwidth + link.latency if link is not None and nbytes else 0.0
 
 
-def combine(costs: Sequence[StageCost], link: Link | None, first: bool, last: bool
-            ) -> StageCost:
-    """Consecutive layers' costs (each priced without sends) as one stage: what crosses
-    its outer cuts goes over ``link`` (none before the ``first`` stage or after the
-    ``last``)."""
+def combine(costs: Sequence[StageCost], link: Link | None, first: bool, last: bool,
+            recompute: bool = False) -> StageCost:
+    """Consecutive layers' costs (each priced without sends, none recomputing) as one
+    stage: what crosses its outer cuts goes over ``link`` (none before the ``first``
+    stage or after the ``last``). ``recompute``: the stage recomputes its forward values
+    in its backward task (module docstring)."""
     add = lambda name: sum(getattr(c, name) for c in costs)  # noqa: E731
     forward_send = 0.0 if last else costs[-1].sent_forward
     backward_send = 0.0 if first else costs[0].sent_backward
+    start = costs[0].first_layer
+    received: dict[Value, tuple[Value, int, float]] = {}
+    for c in costs:
+        for v, made_in, nbytes in c.received:
+            if made_in < start:
+                received.setdefault(v, (v, made_in, nbytes))
+    residuals, work = add("residuals"), max(c.work for c in costs)
+    backward, comm = add("backward"), add("comm")
+    if recompute:  # one microbatch's forward values all live again in the backward task
+        kept = sum(nbytes for _, _, nbytes in received.values())
+        residuals, work = kept, work + max(residuals - kept, 0.0)
+        backward, comm = backward + add("forward"), comm + add("forward_comm")
     return StageCost(
         add("forward") + link_time(forward_send, link),
-        add("backward") + link_time(backward_send, link),
-        add("update"), add("params"), add("state"), add("sums"), add("residuals"),
-        max(c.work for c in costs), max(c.update_work for c in costs),
-        forward_send, backward_send, add("comm"), fits=all(c.fits for c in costs))
+        backward + link_time(backward_send, link),
+        add("update"), add("params"), add("state"), add("sums"), residuals, work,
+        max(c.update_work for c in costs), forward_send, backward_send, comm,
+        add("forward_comm"), start, tuple(received.values()), recompute,
+        fits=all(c.fits for c in costs))
 
 
 def price_stage(layered: LayeredStep, start: int, stop: int, mesh: DeviceMesh, *,
                 step_inputs: Sequence[InputInfo], output_aliases: Mapping[int, int],
                 send_link: Link | None, options: SearchOptions = SearchOptions(),
-                cache: RegionCache | None = None) -> StageCost:
+                cache: RegionCache | None = None, recompute: bool = False) -> StageCost:
     """The cost of layers ``start`` to ``stop - 1`` as one stage on ``mesh``.
 
     ``step_inputs``: the microbatch step's InputInfos (pins: a hand-written plan's specs on
     this submesh, or the user's); ``send_link``: the link to the neighbouring stages (None:
-    sends are counted in bytes, not time).
+    sends are counted in bytes, not time); ``recompute``: the stage's backward task runs
+    its forward ops again (``LayeredStep.regions``).
     """
-    regions = layered.regions(start, stop)
+    regions = layered.regions(start, stop, recompute)
     graph, layer, phase = layered.graph, layered.layer, layered.phase
     plans: dict[str, RegionPlan] = {}
     fits = True
@@ -136,8 +166,15 @@ def price_stage(layered: LayeredStep, start: int, stop: int, mesh: DeviceMesh, *
             sent[p] = sum(size(v, p) for v in regions[p].outputs if outside(v))
             seconds[p] = plans[p].prediction.total_time + link_time(sent[p], send_link)
     bwd_reads = set(regions[BACKWARD].inputs) if BACKWARD in regions else set()
-    residuals = (sum(size(v, FORWARD) for v in regions[FORWARD].outputs if v in bwd_reads)
-                 if FORWARD in regions else 0)
+    own = set(regions[FORWARD].outputs) if FORWARD in regions else set()
+    residuals = sum(size(v, FORWARD) for v in own if v in bwd_reads)
+    received: dict[Value, tuple[Value, int, float]] = {}
+    for p in (FORWARD, BACKWARD):
+        for v in regions[p].inputs if p in regions else ():
+            if (graph.nodes[v.node].kind == "op" and phase[v.node] == FORWARD
+                    and layer[v.node] < start and v not in received):
+                received[v] = (v, layer[v.node], size(v, p, output=False))
+    residuals += sum(nbytes for v, _, nbytes in received.values() if v in bwd_reads)
     params = 0.0
     micro_inputs: set[Value] = set()
     for p in (FORWARD, BACKWARD):
@@ -153,14 +190,19 @@ def price_stage(layered: LayeredStep, start: int, stop: int, mesh: DeviceMesh, *
             if node.kind == "input" and v not in micro_inputs:
                 state += size(v, UPDATE, output=False)
             elif node.kind == "op" and phase[v.node] != UPDATE:
-                sums += size(v, UPDATE, output=False)
+                # held as the task that makes it returns it (the runtime sums it there)
+                made = next((p for p in (BACKWARD, FORWARD) if p in regions
+                             and v in specs[p, True]), None)
+                sums += size(v, made) if made else size(v, UPDATE, output=False)
         update_time = plans[UPDATE].prediction.total_time
         update_peak = plans[UPDATE].prediction.memory_bytes
         update_comm = plans[UPDATE].prediction.comm_time
     peak = max((plans[p].prediction.memory_bytes for p in (FORWARD, BACKWARD) if p in plans),
                default=0.0)
     comm = sum(plans[p].prediction.comm_time for p in (FORWARD, BACKWARD) if p in plans)
+    forward_comm = plans[FORWARD].prediction.comm_time if FORWARD in plans else 0.0
     return StageCost(seconds[FORWARD], seconds[BACKWARD], update_time, params, state, sums,
                      residuals, max(peak - params - residuals, 0.0),
                      max(update_peak - params - state - sums, 0.0), sent[FORWARD],
-                     sent[BACKWARD], comm + update_comm, plans, fits)
+                     sent[BACKWARD], comm + update_comm, forward_comm, start,
+                     tuple(received.values()), recompute, plans, fits)

@@ -79,6 +79,7 @@ class StageSplit:
     phase_of: list[str]   # per node: FORWARD, BACKWARD or UPDATE ("" for inputs, constants)
     tasks: list[Task]
     accumulated: list[Value]
+    recompute: tuple[bool, ...] = ()  # per stage: its backward task reruns its forward ops
 
     def homes(self, output_aliases: Mapping[int, int]) -> list[int]:
         """The stage each step input is kept on between steps: the one whose update makes
@@ -173,29 +174,68 @@ class LayeredStep:
         self.num_layers = num_layers
         self.layer = layer_of(self.graph, num_layers)
         self.phase = _phases(self.graph)
+        self._read_by: dict[Value, set[int]] | None = None
 
-    def regions(self, start: int, stop: int) -> dict[str, Region]:
+    def regions(self, start: int, stop: int, recompute: bool = False) -> dict[str, Region]:
         """The tasks of layers ``start`` to ``stop - 1`` as one stage, by phase (a phase
-        with no op there is left out)."""
+        with no op there is left out).
+
+        ``recompute``: the stage keeps none of its forward values for its backward task,
+        which runs the forward ops again before its own (GPipe's rematerialization, per
+        stage): the forward task returns only what other stages, the update or the step's
+        results read; the backward task holds the forward ops too and returns what the
+        backward task alone would."""
         members: dict[str, list[int]] = {FORWARD: [], BACKWARD: [], UPDATE: []}
         for n in self.graph.nodes:
             if n.kind == "op" and start <= self.layer[n.id] < stop:
                 members[self.phase[n.id]].append(n.id)
-        return {p: Region(self.graph, nodes) for p, nodes in members.items() if nodes}
+        out = {p: Region(self.graph, nodes) for p, nodes in members.items() if nodes}
+        if recompute and FORWARD in out and BACKWARD in out:
+            own = set(members[BACKWARD])
+            step_outputs = {v for v in self.graph.outputs if v is not None}
+            readers = self._readers()
+            sent = [v for v in out[FORWARD].outputs
+                    if v in step_outputs or not readers.get(v, set()) <= own | set(members[FORWARD])]
+            out[FORWARD] = Region(self.graph, members[FORWARD], outputs=sent)
+            out[BACKWARD] = Region(self.graph, members[FORWARD] + members[BACKWARD],
+                                   outputs=out[BACKWARD].outputs)
+        return out
 
-    def split(self, stage_starts: Sequence[int]) -> StageSplit:
-        """Stage ``s`` holds layers ``stage_starts[s]`` to ``stage_starts[s + 1] - 1``."""
+    def _readers(self) -> dict[Value, set[int]]:
+        """Per value, the nodes that read it (every node of a scan reading it)."""
+        if self._read_by is None:
+            read_by: dict[Value, set[int]] = {}
+            for n in self.graph.nodes:
+                for v in n.operands:
+                    if v is not None:
+                        read_by.setdefault(v, set()).add(n.id)
+            for scan in self.graph.scans:
+                for v in scan.operands:
+                    if v is not None:
+                        read_by.setdefault(v, set()).update(scan.nodes)
+            self._read_by = read_by
+        return self._read_by
+
+    def split(self, stage_starts: Sequence[int], recompute: Sequence[bool] = ()
+              ) -> StageSplit:
+        """Stage ``s`` holds layers ``stage_starts[s]`` to ``stage_starts[s + 1] - 1``;
+        ``recompute[s]``: stage ``s`` recomputes its forward values in its backward task
+        (``regions``; default: none does)."""
         starts, count = list(stage_starts), self.num_layers
         if not starts or starts[0] != 0 or starts != sorted(set(starts)) or starts[-1] >= count:
             raise PlanError(f"stage_starts {tuple(starts)} must begin at layer 0 and rise, "
                             f"each below the {count} layers")
+        recompute = tuple(recompute) or (False,) * len(starts)
+        if len(recompute) != len(starts):
+            raise PlanError(f"recompute has {len(recompute)} flags for {len(starts)} stages")
         stage_of_layer = [max(s for s, start in enumerate(starts) if start <= k)
                           for k in range(count)]
         stage = [stage_of_layer[k] if k >= 0 else -1 for k in self.layer]
         _check_flow(self.graph, stage, self.phase)
         bounds = starts + [count]
         tasks = []
-        by_stage = [self.regions(bounds[s], bounds[s + 1]) for s in range(len(starts))]
+        by_stage = [self.regions(bounds[s], bounds[s + 1], recompute[s])
+                    for s in range(len(starts))]
         for s, p in ([(s, FORWARD) for s in range(len(starts))]
                      + [(s, BACKWARD) for s in reversed(range(len(starts)))]
                      + [(s, UPDATE) for s in reversed(range(len(starts)))]):
@@ -207,7 +247,8 @@ class LayeredStep:
         outputs = {v for v in graph.outputs if v is not None}
         accumulated = [v for t in tasks if t.phase != UPDATE for v in t.region.outputs
                        if v in update_reads or v in outputs]
-        return StageSplit(graph, len(starts), stage, self.phase, tasks, accumulated)
+        return StageSplit(graph, len(starts), stage, self.phase, tasks, accumulated,
+                          recompute)
 
 
 def split_step(closed_jaxpr, num_layers: int, stage_starts: Sequence[int],

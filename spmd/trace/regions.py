@@ -35,9 +35,14 @@ __all__ = ["Region", "layer_region"]
 
 
 class Region:
-    """The op nodes ``nodes`` of ``graph`` (whole scans only) as a program of their own."""
+    """The op nodes ``nodes`` of ``graph`` (whole scans only) as a program of their own.
 
-    def __init__(self, graph: Graph, nodes: Sequence[int]):
+    ``outputs``: the values it returns, where not all it makes for outside (a pipeline stage
+    that recomputes its forward pass in its backward task returns from each task only what
+    that task makes for others: ``spmd.stages.split``); each must be made by ``nodes``."""
+
+    def __init__(self, graph: Graph, nodes: Sequence[int],
+                 outputs: Sequence[Value] | None = None):
         self.graph = graph
         chosen = set(nodes)
         for n in chosen:
@@ -71,6 +76,18 @@ class Region:
                     inputs.setdefault(v)
         #: the values it reads from outside, in order of first use
         self.inputs: list[Value] = list(inputs)
+        if outputs is None:
+            outputs = self._made_for_outside(produced)
+        stray = [v for v in outputs if v not in produced]
+        if stray:
+            raise PlanError(f"a region returns what its nodes make; node {stray[0].node} "
+                            f"({graph.nodes[stray[0].node].key}) is not one of them")
+        #: the values it returns: by default those it makes for outside (other nodes, or the
+        #: step's outputs)
+        self.outputs: list[Value] = list(outputs)
+
+    def _made_for_outside(self, produced: set[Value]) -> list[Value]:
+        graph = self.graph
         inside = {v.node for v in produced}
         step_outputs = {v for v in graph.outputs if v is not None}
         read_outside = {v for m in graph.nodes if m.id not in inside
@@ -78,9 +95,8 @@ class Region:
         # a scan elsewhere reads all its operands, even one its body leaves unused
         read_outside |= {v for scan in graph.scans if scan.nodes and scan.nodes[0] not in inside
                          for v in scan.operands if v is not None and v in produced}
-        #: the values it produces for outside (other nodes, or the step's outputs)
-        self.outputs: list[Value] = [v for _, _, outs in self.units for v in outs
-                                     if v is not None and (v in read_outside or v in step_outputs)]
+        return [v for _, _, outs in self.units for v in outs
+                if v is not None and (v in read_outside or v in step_outputs)]
 
     def program(self):
         """The region as a ClosedJaxpr: its inputs in, its outputs out. Their types are those
