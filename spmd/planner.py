@@ -5,10 +5,10 @@ spec a hand-written plan pins among its candidates); each applicable hand-writte
 scored on it with its inputs pinned, the best one warm-starts the search, and if the search
 ends predicted slower than that plan (its simplifications can exclude it), the plan is
 returned instead, so auto is never predicted slower than the best of them. When no sharding
-of the step as written fits the memory budget, layers are rematerialized, the fewest that
-fit, or the optimizer state is offloaded to host memory where that is faster
-(``spmd.search.memory_fit``). Every phase's
-seconds are recorded in ``Plan.search["timings"]``; plans are cached (``spmd.cache``).
+of the step as written fits the memory budget, layers are rematerialized (the fastest of the
+fitting plans a search for the fewest layers tried), or the optimizer state is offloaded to
+host memory where that is faster (``spmd.search.memory_fit``). Every phase's seconds are
+recorded in ``Plan.search["timings"]``; plans are cached (``spmd.cache``).
 """
 
 from __future__ import annotations
