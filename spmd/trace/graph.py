@@ -139,7 +139,12 @@ class Node:
       operands: per operand of the op, the Value it reads, or None for a literal.
       consumers: ids of nodes reading any output of this node (each once, in order).
       path: equation path (see module docstring); ``()`` for inputs and constants.
-      name: the equation's name stack, e.g. ``jvp(Block_0)/transpose(jvp())``, or "".
+      name: the equation's name stack within the whole step, e.g.
+        ``jvp(Block_0)/transpose(jvp())``, or "": an equation inlined from a call (a
+        ``jit`` inside the step, such as ``jnp.where``) records only its name within the call,
+        so the call's own (``scope``) comes first.
+      scope: the name stack of the calls an inlined equation sits in (a ``NameStack``;
+        None outside any), which a re-traced equation is bound under (``named_like``).
       repeat: how often the node runs per step (the trip counts of the scans around it).
       eqn: the equation an op node runs (its body's, for a node inside a scan).
       scan: index into ``Graph.scans`` of the outermost scan the node belongs to, or -1.
@@ -156,6 +161,7 @@ class Node:
     repeat: int = 1
     eqn: Any = dataclasses.field(default=None, repr=False)
     scan: int = -1
+    scope: Any = dataclasses.field(default=None, repr=False)
 
     @property
     def key(self) -> str:
@@ -248,9 +254,9 @@ def build_graph(closed_jaxpr) -> Graph:
     scans: list[Scan] = []
 
     def add(kind: str, op: Op, operands, path: Path, name: str = "", input_index: int = -1,
-            repeat: int = 1, eqn: Any = None) -> Node:
+            repeat: int = 1, eqn: Any = None, scope: Any = None) -> Node:
         node = Node(len(nodes), kind, op, tuple(operands), [], path, name, input_index, repeat,
-                    eqn)
+                    eqn, scope=scope)
         nodes.append(node)
         for v in operands:
             if v is not None and (not nodes[v.node].consumers or nodes[v.node].consumers[-1] != node.id):
@@ -273,31 +279,38 @@ def build_graph(closed_jaxpr) -> Graph:
         return env[atom]
 
     def boundary(primitive: str, operand: Value | None, var, path: Path, repeat: int,
-                 stacked_in: int | None = None, stacked_out: int | None = None) -> Value:
+                 stacked_in: int | None = None, stacked_out: int | None = None,
+                 scope: Any = None) -> Value:
         """A pseudo-op moving one value across a scan's boundary (see module docstring);
         ``stacked_*``: the loop length leading the stacked side's shape."""
         shape, dtype = _aval(var)
         lead_in = () if stacked_in is None else (stacked_in,)
         lead_out = () if stacked_out is None else (stacked_out,)
         op = Op(primitive, {}, (lead_in + shape,), (dtype,), (lead_out + shape,), (dtype,))
-        return Value(add("op", op, (operand,), path, repeat=repeat).id, 0)
+        return Value(add("op", op, (operand,), path, str(scope or ""), repeat=repeat,
+                         scope=scope).id, 0)
 
-    def scan(eqn, operands: list[Value | None], path: Path, repeat: int) -> list[Value | None]:
+    def scan(eqn, operands: list[Value | None], path: Path, repeat: int,
+             scope: Any) -> list[Value | None]:
         body, length = eqn.params["jaxpr"], int(eqn.params["length"])
         nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
         invars, outvars = body.jaxpr.invars, body.jaxpr.outvars
         inner = repeat * length
         first = len(nodes)
-        carried = [boundary("scan_carry", v, var, path + ("carry", k), repeat)
+        carried = [boundary("scan_carry", v, var, path + ("carry", k), repeat, scope=scope)
                    for k, (v, var) in enumerate(zip(operands[nc:nc + nk], invars[nc:nc + nk]))]
-        sliced = [boundary("scan_slice", v, var, path + ("xs", k), repeat, stacked_in=length)
+        sliced = [boundary("scan_slice", v, var, path + ("xs", k), repeat, stacked_in=length,
+                           scope=scope)
                   for k, (v, var) in enumerate(zip(operands[nc + nk:], invars[nc + nk:]))]
-        outs = run(body.jaxpr, body.consts, [*operands[:nc], *carried, *sliced], path, inner)
+        outs = run(body.jaxpr, body.consts, [*operands[:nc], *carried, *sliced], path, inner,
+                   scope=scope)
         results = []
         for k, (v, var) in enumerate(zip(outs[:nk], outvars[:nk])):
-            results.append(boundary("scan_carry_out", v, var, path + ("carry_out", k), inner))
+            results.append(boundary("scan_carry_out", v, var, path + ("carry_out", k), inner,
+                                    scope=scope))
             loops.append((carried[k].node, results[-1].node))
-        results += [boundary("scan_stack", v, var, path + ("ys", k), inner, stacked_out=length)
+        results += [boundary("scan_stack", v, var, path + ("ys", k), inner, stacked_out=length,
+                             scope=scope)
                     for k, (v, var) in enumerate(zip(outs[nk:], outvars[nk:]))]
         members = tuple(n.id for n in nodes[first:] if n.kind == "op")
         for n in members:  # the scans around this one come later and mark their own
@@ -306,7 +319,8 @@ def build_graph(closed_jaxpr) -> Graph:
         return results
 
     def run(jaxpr, consts: Sequence[Any], args: Sequence[Value | None], path: Path,
-            repeat: int = 1, literals: Sequence[Any] = ()) -> list[Value | None]:
+            repeat: int = 1, literals: Sequence[Any] = (), scope: Any = None
+            ) -> list[Value | None]:
         for var, c in zip(jaxpr.constvars, consts):
             leaf(var, "const", value=c)
         for k, (var, a) in enumerate(zip(jaxpr.invars, args)):
@@ -319,8 +333,10 @@ def build_graph(closed_jaxpr) -> Graph:
             inner = inner_jaxpr(eqn)
             if inner is not None or eqn.primitive.name == SCAN:
                 given = [a.val if isinstance(a, jcore.Literal) else None for a in eqn.invars]
-                outs = (run(inner[0], inner[1], operands, path + (i,), repeat, given)
-                        if inner is not None else scan(eqn, operands, path + (i,), repeat))
+                within = scoped(scope, eqn)
+                outs = (run(inner[0], inner[1], operands, path + (i,), repeat, given, within)
+                        if inner is not None
+                        else scan(eqn, operands, path + (i,), repeat, within))
                 returned = inner[0].outvars if inner is not None else ()
                 for k, (var, v) in enumerate(zip(eqn.outvars, outs)):
                     if v is None:  # the inner program returns a literal
@@ -330,7 +346,8 @@ def build_graph(closed_jaxpr) -> Graph:
                         env[var] = v
                 continue
             op = Op.from_eqn(eqn)
-            node = add("op", op, operands, path + (i,), _name_stack(eqn), repeat=repeat, eqn=eqn)
+            node = add("op", op, operands, path + (i,), str(scoped(scope, eqn) or ""),
+                       repeat=repeat, eqn=eqn, scope=scope)
             for k, var in enumerate(eqn.outvars):
                 env[var] = Value(node.id, k)
         return [read(a) for a in jaxpr.outvars]
@@ -347,11 +364,13 @@ def build_graph(closed_jaxpr) -> Graph:
     return Graph(nodes, inputs, outs, literals, loops, scans, constants)
 
 
-def _name_stack(eqn) -> str:
-    try:
-        return str(eqn.source_info.name_stack)
-    except Exception:  # the field is informational only
-        return ""
+def scoped(scope: Any, eqn) -> Any:
+    """``eqn``'s name stack within the calls around it (``scope``: their name stack, or
+    None): a ``NameStack``, or None where the equation carries none."""
+    own = getattr(getattr(eqn, "source_info", None), "name_stack", None)
+    if scope is None or own is None:
+        return own if own is not None else scope
+    return scope + own
 
 
 @functools.lru_cache(maxsize=None)

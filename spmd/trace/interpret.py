@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, Sequence
 from jax.extend import core as jcore
 from jax.extend import source_info_util
 
-from spmd.trace.graph import SCAN, Path, inner_jaxpr
+from spmd.trace.graph import SCAN, Path, inner_jaxpr, scoped
 
 __all__ = ["eval_jaxpr_with", "named_like"]
 
@@ -27,8 +27,9 @@ __all__ = ["eval_jaxpr_with", "named_like"]
 def eval_jaxpr_with(jaxpr, consts: Sequence[Any], args: Sequence[Any],
                     hook: Callable[[Path, Any, list[Any]], list[Any]],
                     operand_hook: Callable[[Path, list[Any]], list[Any]] | None = None,
-                    path: Path = ()) -> list[Any]:
-    """Evaluate a jaxpr, inlining what ``build_graph`` inlines.
+                    path: Path = (), scope: Any = None) -> list[Any]:
+    """Evaluate a jaxpr, inlining what ``build_graph`` inlines, each equation under its name
+    stack within the whole step (``scope``: the calls' around it, as ``Node.scope``).
 
     ``operand_hook(path, args)`` may replace an equation's operands before it runs and
     ``hook(path, eqn, outs)`` its outputs after (the constraint interpreter of ``spmd.runtime.constrain``). A scan
@@ -53,13 +54,14 @@ def eval_jaxpr_with(jaxpr, consts: Sequence[Any], args: Sequence[Any],
         if inner is not None:
             if eqn.primitive.name in ("remat", "remat2", "checkpoint"):
                 invals = _remat_barrier(eqn, invals, jax)
-            outs = eval_jaxpr_with(inner[0], inner[1], invals, hook, operand_hook, here)
+            outs = eval_jaxpr_with(inner[0], inner[1], invals, hook, operand_hook, here,
+                                   scoped(scope, eqn))
         elif eqn.primitive.name == SCAN:
-            outs = _eval_scan(eqn, invals, hook, operand_hook, here)
+            outs = _eval_scan(eqn, invals, hook, operand_hook, here, scoped(scope, eqn))
         else:
             if operand_hook is not None:
                 invals = operand_hook(here, invals)
-            with named_like(eqn):
+            with named_like(eqn, scope=scope):
                 outs = eqn.primitive.bind(*invals, **eqn.params)
             outs = list(outs) if eqn.primitive.multiple_results else [outs]
             outs = hook(here, eqn, outs)
@@ -69,19 +71,22 @@ def eval_jaxpr_with(jaxpr, consts: Sequence[Any], args: Sequence[Any],
 
 
 @contextlib.contextmanager
-def named_like(eqn, prefix: str | None = None) -> Iterator[None]:
-    """Bind under ``eqn``'s own name stack (``prefix/`` before it), so a re-traced step keeps
-    the names that tell its forward ops from its backward ones (``spmd.trace.layers``)."""
+def named_like(eqn, prefix: str | None = None, scope: Any = None) -> Iterator[None]:
+    """Bind under ``eqn``'s name stack within the step (``scope``: the name stack of the
+    calls it was inlined from; ``prefix/`` before both), so a re-traced step keeps the names
+    that tell its forward ops from its backward ones (``spmd.trace.layers``)."""
     info = eqn.source_info
-    stack = info.name_stack
+    stack = scoped(scope, eqn)
     if prefix:
         stack = source_info_util.new_name_stack(prefix) + stack
     with source_info_util.user_context(info.traceback, name_stack=stack):
         yield
 
 
-def _eval_scan(eqn, invals: list[Any], hook, operand_hook, path: Path) -> list[Any]:
-    """One scan equation as ``lax.scan``, its body through ``eval_jaxpr_with``."""
+def _eval_scan(eqn, invals: list[Any], hook, operand_hook, path: Path,
+               scope: Any) -> list[Any]:
+    """One scan equation as ``lax.scan``, its body through ``eval_jaxpr_with`` (``scope``:
+    the scan's name stack within the step)."""
     import jax
 
     params = eqn.params
@@ -97,7 +102,7 @@ def _eval_scan(eqn, invals: list[Any], hook, operand_hook, path: Path) -> list[A
         carry = [out("carry", k, c) for k, c in enumerate(carry)]
         xs = [out("xs", k, x) for k, x in enumerate(xs)]
         outs = eval_jaxpr_with(body.jaxpr, body.consts, [*invals[:nc], *carry, *xs], hook,
-                               operand_hook, path)
+                               operand_hook, path, scope)
         outs = [jax.numpy.asarray(o, var.aval.dtype) if isinstance(var, jcore.Literal) else o
                 for o, var in zip(outs, body.jaxpr.outvars)]
         new = [out("carry_out", k, into("carry_out", k, c)) for k, c in enumerate(outs[:nk])]
