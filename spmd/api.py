@@ -118,10 +118,11 @@ def _plan_auto_levels(sig: StepSignature, args: Sequence[Any], mesh: DeviceMesh,
                                 for name, p in hand.items()})
     if single is not None and single.prediction.total_time <= staged.prediction.total_time:
         pred = staged.prediction
+        found = staged.search_summary()
         single.alternatives["pipeline (auto)"] = (
             f"slower: predicted {pred.total_time * 1e3:.3f} ms, "
             f"{pred.memory_bytes / 2**20:.2f} MiB, with {len(staged.stages)} stages and "
-            f"{staged.microbatches} microbatches")
+            f"{staged.microbatches} microbatches" + (f" ({found})" if found else ""))
         return single
     staged.alternatives["single stage (auto)"] = (single.prediction if single is not None
                                                   else why_single or "not considered "

@@ -2,12 +2,14 @@
 (``spmd.stages.dp``) around the intra-op search of each stage, beside the single-stage plan.
 
 For each stage count ``p`` (powers of two dividing the mesh, within
-``PipelineOptions.min_stages``/``max_stages`` and the layers) and ``B = 2p`` microbatches
-(MaxText's advice; ``PipelineOptions.microbatches`` fixes another: fewer leave most of the
-pipeline idle, ``(p - 1) / (2p - 1)`` at ``p``; more shrink each microbatch's work, and
-each count is a trace and a pricing of its own), every layer is priced on a stage's
-submesh at that microbatch size (``LAYER_TIME_LIMIT`` seconds a search), and
-``best_partition`` cuts the layers. The best ``(p, B, cut)`` by predicted step time is then planned for real: each
+``PipelineOptions.min_stages``/``max_stages`` and the layers) and each microbatch count
+``B`` of ``2p``, ``4p``, ``8p`` that cuts the batch evenly (``PipelineOptions.microbatches``
+fixes one instead), every layer is priced on a stage's submesh at that microbatch size
+(``LAYER_TIME_LIMIT`` seconds a search), and ``best_partition`` cuts the layers. More
+microbatches idle the pipeline less (``(p - 1) / (B + p - 1)``) and hold less per
+microbatch in flight, but shrink each microbatch's work, whose collectives and kernels do
+not shrink as fast; each count is a trace and a pricing of its own, so the counts stop
+rising for a ``p`` once one predicts no faster step than the one before. The best ``(p, B, cut)`` by predicted step time is then planned for real: each
 stage's layer range searched as one program on its submesh (its parameters and optimizer
 state get one spec, what its forward, backward and update programs then take), and its tasks
 priced again with those specs fixed: the prediction the plan reports, and the sharding
@@ -98,9 +100,14 @@ def _stage_counts(mesh: DeviceMesh, options: SearchOptions, layers: int) -> list
             if max(pipe.min_stages, 2) <= p <= top and mesh.size % p == 0]
 
 
+#: microbatches per stage the stage search tries (2: MaxText's advice; more idle less)
+MICROBATCHES_PER_STAGE = (2, 4, 8)
+
+
 def _microbatch_counts(rows: int, stages: int, options: SearchOptions) -> list[int]:
+    """The microbatch counts tried for ``stages`` stages, fewest first."""
     fixed = options.pipeline.microbatches
-    wanted = [fixed] if fixed else [2 * stages]
+    wanted = [fixed] if fixed else [f * stages for f in MICROBATCHES_PER_STAGE]
     return [m for m in wanted if rows % m == 0]
 
 
@@ -151,6 +158,7 @@ def plan_two_level(full: StepSignature, args: Sequence[Any], mesh: DeviceMesh,
     for p in counts:
         meshes = carve(mesh, p)
         link = stage_link(mesh, meshes)
+        previous = float("inf")  # this p's best step at fewer microbatches
         for m in _microbatch_counts(rows, p, options):
             if m not in traced:
                 with timings.phase("stage_trace"):
@@ -177,6 +185,9 @@ def plan_two_level(full: StepSignature, args: Sequence[Any], mesh: DeviceMesh,
             total = predict(partition.costs, sched).total_time
             if best is None or total < best.total:
                 best = _Candidate(p, m, partition, total)
+            if total >= previous:
+                break
+            previous = total
     if best is None:
         raise InfeasibleError(f"no pipeline of {', '.join(map(str, counts))} stages fits the "
                               f"memory budget of {budget / 2**30:.2f} GiB per device")

@@ -186,6 +186,9 @@ class PipelinePlan:
                       f"(p-1)/(m+p-1) = {bubble_formula(p, m):.1%}), update "
                       f"{pred.update_time * 1e3:.3f} ms, copies {pred.copy_time * 1e3:.3f} ms; "
                       f"peak memory {pred.memory_bytes / 2**30:.3f} GiB per device\n")
+        found = self.search_summary()
+        if found:
+            out.write(f"{found}\n")
         for name, other in self.alternatives.items():
             if isinstance(other, str):
                 out.write(f"  {name}: {other}\n")
@@ -193,6 +196,17 @@ class PipelinePlan:
                 out.write(f"  {name}: predicted {other.total_time * 1e3:.3f} ms, "
                           f"{other.memory_bytes / 2**30:.3f} GiB per device\n")
         return out.getvalue()
+
+    def search_summary(self) -> str:
+        """How the stage search went, in a line ("" for a plan not searched)."""
+        found = self.search or {}
+        if "region_searches" not in found:
+            return ""
+        seconds = sum(t for k, t in found.get("timings", {}).items() if k.startswith("stage_"))
+        return (f"stage search: {found['candidates']} (stages, microbatches) candidates over "
+                f"{', '.join(map(str, found['stage_counts']))} stages, "
+                f"{found['region_searches']} intra-op solves "
+                f"({found['region_cache_hits']} answered by the cache), {seconds:.1f} s")
 
     def _micro_rows(self) -> str:
         rows = {leaf.shape[0] for leaf in self.micro.leaves if leaf.kind == "batch" and leaf.shape}
