@@ -151,3 +151,30 @@ def test_reduce_folds_a_fanout_into_an_edge_when_one_group_reads_it():
     for gp, costs, consumers in prob.fanouts:
         assert len({g for g, _ in consumers if g != gp}) >= 2
         assert np.isfinite(costs).all() and (costs >= 0).all()
+
+
+def test_values_made_from_constants_alone_are_never_in_memory():
+    """A causal mask broadcast to the scores' shape and the select of zeros its gradient
+    reads depend on no input: XLA makes them inside each reader's kernel, in its sharding,
+    so they are in no liveness the search or the prediction counts."""
+    from spmd.search.fusion import constant_made
+
+    b = 64
+
+    def step(w, x):
+        def loss(w):
+            scores = (x @ w) @ x.T  # (b, b)
+            mask = jnp.tril(jnp.ones((b, b), bool))
+            return jnp.sum(jax.nn.softmax(jnp.where(mask, scores, -1e9)))
+        return w - 0.1 * jax.grad(loss)(w)
+
+    g = build_graph(jax.make_jaxpr(step)(jnp.ones((32, 32)), jnp.ones((b, 32))))
+    made = constant_made(g)
+    masks = [n.id for n in g.nodes if n.kind == "op" and n.op.out_shapes == ((b, b),)
+             and n.op.primitive in ("broadcast_in_dim", "select_n") and n.id in made]
+    assert masks  # the mask itself, at least
+    assert not any(g.nodes[n].op.primitive == "dot_general" for n in made)
+    cg = CostGraph(g, [InputInfo("w", (32, 32), jnp.float32, "param"),
+                       InputInfo("x", (b, 32), jnp.float32, "batch")], MESH)
+    fused = {v.node for (v, _, _), f in zip(cg.liveness.intervals, cg.liveness.fused) if f}
+    assert set(masks) <= fused and cg.constant_made == made

@@ -157,3 +157,23 @@ def test_nested_scans_multiply_repeats_and_interpret_exactly():
     got = eval_jaxpr_with(cj.jaxpr, cj.consts, [w, x], lambda p, e, o: o)
     for a, b in zip(got, f(w, x)):
         np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_ops_inlined_from_a_call_are_named_within_the_step():
+    """jnp.where and jnp.tril are jitted functions: their equations record names relative
+    to the call, so the graph prefixes the call's own (under jax.grad: ``jvp()``), and the
+    interpreter binds them under the same names."""
+    def loss(x):
+        mask = jnp.tril(jnp.ones((4, 4), bool))
+        return jnp.sum(jnp.where(mask, x @ x, -1e9))
+
+    cj = jax.make_jaxpr(jax.grad(loss))(jnp.ones((4, 4)))
+    g = build_graph(cj)
+    selects = [n for n in g.nodes if n.kind == "op" and n.op.primitive == "select_n"]
+    assert selects and all(n.name.startswith("jvp(") or "transpose(" in n.name
+                           for n in selects), [n.name for n in selects]
+    again = jax.make_jaxpr(lambda x: eval_jaxpr_with(cj.jaxpr, cj.consts, [x],
+                                                     lambda p, e, o: o))(jnp.ones((4, 4)))
+    retraced = [n.name for n in build_graph(again).nodes
+                if n.kind == "op" and n.op.primitive == "select_n"]
+    assert retraced == [n.name for n in selects]

@@ -63,7 +63,7 @@ from spmd.cost.time import CostModel
 from spmd.errors import PlanError
 from spmd.memory.liveness import Liveness
 from spmd.memory.offload import destination, host_values
-from spmd.search.fusion import fuse, never_in_memory
+from spmd.search.fusion import constant_made, fuse, never_in_memory
 from spmd.search.layout import transposed_operands
 from spmd.sharding import (Spec, all_specs, bytes_per_device, format_spec, is_valid, replicated,
                            shard_shape)
@@ -210,6 +210,9 @@ class CostGraph:
         self._merge_followers()
         self._tie_layers(share_layers)
         self.charges = self._shared_latency()
+        #: ops computing values from constants alone: XLA makes them in whatever sharding
+        #: their readers take, inside the readers' kernels (``spmd.search.fusion``)
+        self.constant_made = frozenset(constant_made(graph))
         self.liveness = Liveness(graph, donated=set(self.aliases.values()),
                                  fused=never_in_memory(graph, self.fusion),
                                  host=host_values(graph))

@@ -39,7 +39,7 @@ from spmd.rules.random import KEY_OPS
 from spmd.rules.reduce import ARG_REDUCTIONS, REDUCTIONS
 from spmd.trace.graph import Graph, Value
 
-__all__ = ["FREE", "FUSIBLE", "Fusion", "fuse", "never_in_memory"]
+__all__ = ["FREE", "FUSIBLE", "Fusion", "constant_made", "fuse", "never_in_memory"]
 
 #: ops XLA merges with their neighbours into loop fusions
 FUSIBLE = frozenset(ELEMENTWISE) | frozenset(REDUCTIONS) | frozenset(ARG_REDUCTIONS) | {
@@ -155,13 +155,33 @@ def never_in_memory(graph: Graph, fusion: Fusion) -> frozenset[Value]:
     update: XLA keeps those inside one kernel. A value read across such an op (a forward
     activation read by the backward pass) is taken to be in memory: XLA:CPU fuses far less
     than ``fuse`` does (gpt-tiny: 345 fusions against 145 kernels), and taking those out too
-    under-predicted its tensor-parallel plans 2x."""
+    under-predicted its tensor-parallel plans 2x.
+
+    Also never in memory, wherever they are read: values the step computes from constants
+    alone by fusible ops (``constant_made``), such as an attention mask broadcast to
+    (batch, heads, q, t) and the select of zeros its gradient reads. XLA computes them inside
+    each reader's kernel (broadcasts and iotas are duplicated into their consumers); kept,
+    they held 8 of the 34 GiB predicted per device for gpt-2.6b under FSDP on 64 A100s."""
     nodes = graph.nodes
     # unfused[i]: how many ops among nodes[:i + 1] run in a kernel of their own
     unfused = np.cumsum([n.kind == "op" and n.op.primitive not in FUSIBLE | FREE
                          for n in nodes])
     last = graph.last_use()
+    made = constant_made(graph)
     return frozenset(
         Value(n.id, k) for n in nodes if fusion.kernel[n.id] >= 0
         for k, written in enumerate(fusion.writes[n.id])
-        if not written and unfused[min(last[n.id], len(nodes) - 1)] == unfused[n.id])
+        if n.id in made
+        or (not written and unfused[min(last[n.id], len(nodes) - 1)] == unfused[n.id]))
+
+
+def constant_made(graph: Graph) -> set[int]:
+    """The fusible ops (outside loops) that read only constants, literals and such ops'
+    results: whatever the step's inputs, they compute the same values."""
+    made: set[int] = set()
+    for n in graph.nodes:
+        if (n.kind == "op" and n.op.primitive in FUSIBLE and n.scan < 0
+                and all(v is None or graph.nodes[v.node].kind == "const" or v.node in made
+                        for v in n.operands)):
+            made.add(n.id)
+    return made
