@@ -18,6 +18,9 @@ reads a CPU compile of a GPU plan back into XLA:GPU's collectives, so the check 
 collectives of one kind over the same devices when none depends on another: the per-parameter
 gradient all-reduces of a train step become one or two (38 -> 2 on gpt-tiny).
 ``Partitioner.combine_key`` names the group a collective merges into (``COMBINED_KINDS``).
+XLA:GPU merges only up to ``combine_threshold`` bytes of operands into one (its default,
+30 MiB): a large model's gradients go in many groups, each waiting only for its own
+members, where XLA:CPU's single group holds every partial gradient until the last.
 
 ``Partitioner.reshard`` predicts what the partitioner emits for a sharding change (checked
 against compiled HLO on 8 CPU devices in tests/test_cost.py), in this order of rules:
@@ -58,6 +61,9 @@ __all__ = ["COLLECTIVE_KINDS", "COMBINED_KINDS", "Collective", "Partitioner"]
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 #: kinds XLA combines when independent (one latency per kind and axes)
 COMBINED_KINDS = ("all-reduce", "reduce-scatter")
+#: operand bytes per device XLA:GPU combines into one collective at most
+#: (``kDefault{AllReduce,ReduceScatter}CombineThreshold``)
+GPU_COMBINE_THRESHOLD = 30 * 2**20 + 7
 
 _Dims = list[tuple[str, ...]]
 
@@ -90,6 +96,8 @@ class Partitioner:
         #: the platform whose XLA emits the collectives: the mesh's own, even when it is
         #: virtual (a GPU cluster compile-checked on CPU devices is priced as XLA:GPU runs it)
         self.platform = mesh.platform
+        #: operand bytes per device one combined collective holds at most
+        self.combine_threshold = GPU_COMBINE_THRESHOLD if self.platform == "gpu" else math.inf
 
     def active(self, axes: Sequence[str] | str | None) -> tuple[str, ...]:
         """The axes that really split devices (size > 1), in the given order."""

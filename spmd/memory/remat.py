@@ -9,10 +9,11 @@ recomputation of them from what the layer keeps: its inputs (the previous layer'
 parameters) and, under ``SAVE_DOTS``, its matmul outputs without batch dims (jax's
 ``dots_with_no_batch_dims_saveable``); under ``RECOMPUTE_ALL`` only its inputs (jax's
 ``nothing_saveable``). Every backward op reads the recomputed copies, so the forward ones
-die at their last forward reader. The activations the recomputation reads are made to
-depend on a backward value that op reads (``_after``), so XLA can neither merge the
-recomputation with the forward pass (CSE) nor hoist it before the backward pass reaches the
-layer.
+die at their last forward reader. The activations and parameters the recomputation reads
+are made to depend on a backward value that op reads (``_after``), so XLA can neither merge
+the recomputation with the forward pass (CSE: a weight split FSDP-style would be gathered
+once for both, its whole copy held from the forward to the backward pass, as
+``jax.checkpoint`` avoids) nor hoist it before the backward pass reaches the layer.
 
 The result is a plain ``ClosedJaxpr`` whose recomputed equations carry the name stack
 ``REMAT_SCOPE/...``, so the op graph, the cost model (recompute time is compute like any
@@ -252,16 +253,16 @@ def rematerialize(closed_jaxpr, plan: RematPlan, graph: Graph | None = None):
                 for v, x in zip(nodes[n].operands, seen[n]):
                     if v is not None and v.node not in members:
                         saved.setdefault(v, x)
-            if fence is not None:  # the activations it reads wait for the backward pass
+            if fence is not None:  # what it reads waits for the backward pass
                 with jax.named_scope(REMAT_SCOPE):
-                    saved = {v: _after(x, fence) if nodes[v.node].kind == "op" and _numeric(x)
-                             else x for v, x in saved.items()}
+                    saved = {v: _after(x, fence) if nodes[v.node].kind != "const"
+                             and _numeric(x) else x for v, x in saved.items()}
             values: dict[Value, Any] = {}
             for n in lay.recompute:
                 node = nodes[n]
                 ins = [x if v is None else values[v] if v.node in members else saved[v]
                        for v, x in zip(node.operands, seen[n])]
-                with named_like(node.eqn, prefix=REMAT_SCOPE):
+                with named_like(node.eqn, prefix=REMAT_SCOPE, scope=node.scope):
                     outs = node.eqn.primitive.bind(*ins, **node.eqn.params)
                 outs = list(outs) if node.eqn.primitive.multiple_results else [outs]
                 for j, x in enumerate(outs):

@@ -4,8 +4,9 @@ minimized (``spmd.search.costgraph``), split the way a person reads a step's tim
 The solver's objective is ``Prediction.objective``: ``total_time`` plus the tie-break that
 prefers holding less (an input's per-device bytes at 1e-3 of streaming them), which is no
 time the step spends. What only the prediction needs is counted here too: the collectives
-XLA emits (independent ones off the critical path combine into one per kind and mesh axes;
-a value resharded once per target spec and loop level), and the peak memory by liveness.
+XLA emits (independent ones off the critical path combine into one per kind and mesh axes,
+on XLA:GPU up to its combine threshold's bytes each; a value resharded once per target spec
+and loop level), and the peak memory by liveness.
 """
 
 from __future__ import annotations
@@ -107,7 +108,9 @@ def predict(enc: Encoding, node_choice: Sequence[int]) -> Prediction:
     partitioner = cg.cost.partitioner
     compute = comm = memory = launch = tie_break = recompute = transfer = 0.0
     counts = {k: [0, 0.0] for k in COLLECTIVE_KINDS}
-    combined_at: dict = {}  # (kind, axes) group XLA merged into one collective -> its last op
+    combined_at: dict = {}  # (kind, axes, k) group XLA merged into one collective -> its last op
+    filled: dict = {}  # (kind, axes) -> operand bytes of its group being filled
+    groups: dict = {}  # (kind, axes) -> groups of it filled before the current one
     # partial sums a reduction collective reads: (op, its combine group or None, bytes)
     partials: list[tuple[int, Any, float]] = []
     picked: set[tuple[int, int]] = set()  # (root, root strategy) chosen: charges paid
@@ -134,6 +137,13 @@ def predict(enc: Encoding, node_choice: Sequence[int]) -> Prediction:
         for c in s.collectives:
             row = counts.setdefault(c.kind, [0, 0.0])
             key = partitioner.combine_key(c) if off else None
+            if key is not None:  # a new group once this one holds the threshold's bytes
+                held = filled.get(key, 0.0)
+                if held and held + c.bytes > partitioner.combine_threshold:
+                    groups[key] = groups.get(key, 0) + 1
+                    held = 0.0
+                filled[key] = held + c.bytes
+                key = (*key, groups.get(key, 0))
             if key is None:
                 row[0] += n.repeat
             elif key not in combined_at:
@@ -166,7 +176,9 @@ def predict(enc: Encoding, node_choice: Sequence[int]) -> Prediction:
                 row[1] += c.bytes * read.repeat
     live = cg.liveness
     # A value fused into its readers' kernel is never in memory, unless the plan reshards it
-    # (a collective reads it from memory).
+    # (a collective reads it from memory); one made from constants alone is made in the
+    # spec each reader takes, so it is in memory in none.
+    copies = {key: at for key, at in copies.items() if key[0].node not in cg.constant_made}
     resharded = {v for v, _ in copies}
     nbytes = np.array([0.0 if fused and v not in resharded else
                        float(cg.bytes_row(v, (strategy[v.node].out_specs[v.index],))[0])
