@@ -25,6 +25,7 @@ import hashlib
 from typing import Any, Mapping, Sequence
 
 from spmd.cluster.mesh import DeviceMesh
+from spmd.errors import InfeasibleError
 from spmd.options import SearchOptions
 from spmd.search.costgraph import InputInfo
 from spmd.search.intra_op import AutoResult, IntraOp
@@ -99,11 +100,12 @@ def region_aliases(region: Region, output_aliases: Mapping[int, int]) -> dict[in
     step input, both in the region)."""
     graph = region.graph
     position = {v: i for i, v in enumerate(region.inputs)}
+    returned = {v: i for i, v in enumerate(region.outputs)}
     out = {}
     for o, i in output_aliases.items():
         v, src = graph.outputs[o], Value(graph.inputs[i], 0)
-        if v is not None and v in region.outputs and src in position:
-            out[region.outputs.index(v)] = position[src]
+        if v is not None and v in returned and src in position:
+            out[returned[v]] = position[src]
     return out
 
 
@@ -127,9 +129,18 @@ def search_region(region: Region, mesh: DeviceMesh, *,
         if hit is not None:
             return hit
     program = region.program()
-    job = IntraOp(build_graph(program), inputs, mesh, output_aliases=aliases)
-    result = job.search(memory_budget=options.memory_budget, time_limit=options.time_limit,
-                        solver=options.solver)
+    graph = build_graph(program)
+    job = IntraOp(graph, inputs, mesh, output_aliases=aliases)
+    try:
+        result = job.search(memory_budget=options.memory_budget, time_limit=options.time_limit,
+                            solver=options.solver)
+    except InfeasibleError:
+        # Repeated layers share one choice per op; pins that differ between them (a
+        # pipeline stage's parameters, each as its own layer's search chose) can leave the
+        # shared choice no spec that meets every layer's: search them apart.
+        job = IntraOp(graph, inputs, mesh, output_aliases=aliases, share_layers=False)
+        result = job.search(memory_budget=options.memory_budget, time_limit=options.time_limit,
+                            solver=options.solver)
     plan = RegionPlan(digest, program, inputs, aliases, result)
     if cache is not None:
         cache.put(digest, plan)

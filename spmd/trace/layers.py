@@ -116,25 +116,29 @@ def _cuts(flops: np.ndarray, crossing: np.ndarray, count: int) -> list[int]:
     positive = [crossing[t] for t in gaps if crossing[t] > 0]
     weight = 0.5 * min(positive) if positive else 1.0
     eps = EPS
+    # plain floats: the loops below index them element by element
+    at = [float(prefix[t]) for t in points]
+    crossed = [float(crossing[t]) for t in points[:-1]] + [0.0]
+    inf = float("inf")
     while True:
         limit, least = (1 + eps) * mean, (1 - eps) * mean
         # best[k][j]: least crossing bytes splitting ops[:points[j]] into k layers
-        best = np.full((count + 1, len(points)), np.inf)
-        back = np.zeros((count + 1, len(points)), dtype=int)
+        best = [[inf] * len(points) for _ in range(count + 1)]
+        back = [[0] * len(points) for _ in range(count + 1)]
         best[0][0] = 0.0
         for k in range(1, count + 1):
+            previous, row, rows_back = best[k - 1], best[k], back[k]
             for j in range(1, len(points)):
                 for i in range(j - 1, -1, -1):
-                    span = prefix[points[j]] - prefix[points[i]]
+                    span = at[j] - at[i]
                     if span > limit:
                         break
-                    if span < least:
+                    if span < least or previous[i] == inf:
                         continue
-                    cost = (best[k - 1][i] + weight * abs(span - mean) / mean
-                            + (crossing[points[j]] if j < len(points) - 1 else 0))
-                    if cost < best[k][j]:
-                        best[k][j], back[k][j] = cost, i
-        if np.isfinite(best[count][-1]):
+                    cost = previous[i] + weight * abs(span - mean) / mean + crossed[j]
+                    if cost < row[j]:
+                        row[j], rows_back[j] = cost, i
+        if best[count][-1] < inf:
             break
         if eps > 1e6:  # unreachable while count <= n: then every split is balanced enough
             raise ValueError(f"cannot cut {n} forward ops into {count} layers")
