@@ -94,7 +94,7 @@ def run_case(model: str, mesh_name: str, time_limit: float, compile_it: bool
         try:
             single, seconds = _timed(lambda: spmd.plan(
                 spec.train_step, *args, mesh=mesh, options=spmd.SearchOptions(
-                    cache=False, time_limit=time_limit, compare=False,
+                    cache=False, time_limit=time_limit,
                     pipeline=PipelineOptions(max_stages=1))))
             out["single"] = {"time": single.prediction.total_time,
                              "memory": single.prediction.memory_bytes, "seconds": seconds,
@@ -112,6 +112,7 @@ def run_case(model: str, mesh_name: str, time_limit: float, compile_it: bool
                 "stages": [(st.start, st.stop) for st in staged.stages],
                 "devices_per_stage": staged.stages[0].mesh.size,
                 "microbatches": staged.microbatches, "bubble": pred.bubble_fraction,
+                "recompute": [st.cost.recompute for st in staged.stages],
                 "layers": staged.num_layers, "search": staged.search}
             if compile_it:
                 out["staged"]["compiled_stage_0"] = compile_stage(staged)
@@ -126,7 +127,8 @@ def run_case(model: str, mesh_name: str, time_limit: float, compile_it: bool
                 fits = plan.prediction.memory_bytes <= mesh.device.memory_bytes
                 out[method] = {"time": plan.prediction.total_time,
                                "memory": plan.prediction.memory_bytes, "fits": fits,
-                               "microbatches": plan.microbatches, "seconds": seconds}
+                               "microbatches": plan.microbatches, "seconds": seconds,
+                               "recompute": [st.cost.recompute for st in plan.stages]}
             except spmd.SpmdError as err:
                 out[method] = {"error": str(err)}
     return out
@@ -175,8 +177,10 @@ def render(data: dict[str, Any]) -> str:
         two_level = [t for k, t in candidates.items() if k != "intra-only"]
         ratio = (f"{single['time'] / min(two_level):.2f}" if "time" in single and two_level
                  else "n/a")
+        redone = sum(staged.get("recompute") or ())
         shape = (f"{len(staged['stages'])} x {staged['devices_per_stage']} dev, "
                  f"B={staged['microbatches']}, bubble {staged['bubble']:.0%}"
+                 + (f", {redone} recompute" if redone else "")
                  if "stages" in staged else "")
         ok = auto is not None and all(auto <= t * (1 + 1e-9) for t in candidates.values())
         rows.append([case["model"], case["mesh"], _ms(single), _ms(staged), shape,
@@ -208,10 +212,12 @@ def render(data: dict[str, Any]) -> str:
              "Predicted step time (cost model, A100 datasheet figures; virtual meshes, nothing "
              "run). Global batch: " + ", ".join(f"{k} {v}" for k, v in BATCH.items())
              + " sequences of 1024 tokens, fp32. Intra-only: auto with "
-             "`PipelineOptions(max_stages=1)` (remat where memory needs it). Stage search: "
-             "`plan_two_level` forced to >= 2 stages (no remat inside stages yet). "
-             "Hand-written: stages along `data` (one per host), 2 x stages microbatches; "
-             "'(over memory)' marks a plan over 40 GB per GPU. auto: what `spmd.plan` "
+             "`PipelineOptions(max_stages=1)` (remat and host offload where memory needs "
+             "them). Stage search: `plan_two_level` forced to >= 2 stages; 'k recompute': "
+             "stages that recompute their forward pass in their backward task, where they "
+             "would not fit otherwise. Hand-written: stages along `data` (one per host), 2 x "
+             "stages microbatches, stages recomputing where over memory; '(over memory)' "
+             "marks a plan over 40 GB per GPU even so. auto: what `spmd.plan` "
              "returns, the fastest of the intra-only plan, the stage search's and the "
              "hand-written pipelines that fit (its keep-the-best guard), and which it is. "
              "'intra / best two-level': the intra-only time over the best pipeline's. "
