@@ -2,7 +2,7 @@
 single-stage auto plan and the hand-written pipeline plans, predicted step time, for GPTs
 on virtual A100 clusters (nothing materialized; planned on this CPU box).
 
-    python bench/two_level.py                       # gpt-2.6b, 6.7b, 13b on a100-2x8, a100-8x8
+    python bench/two_level.py          # gpt-2.6b, 6.7b, 13b on a100-2x8, a100-8x8, a100-8x8-eth
     python bench/two_level.py --models gpt-2.6b --meshes a100-2x8
 
 For each case: auto at one level (``PipelineOptions(max_stages=1)``: the intra-op search
@@ -35,9 +35,9 @@ except ImportError:  # python -m bench.two_level
 
 SECTION = "## Two-level plans (bench/two_level.py)"
 MODELS = ["gpt-2.6b", "gpt-6.7b", "gpt-13b"]
-MESHES = ["a100-2x8", "a100-8x8"]
+MESHES = ["a100-2x8", "a100-8x8", "a100-8x8-eth"]
 #: global batch (sequences of 1024 tokens) per mesh: 2 per GPU
-BATCH = {"a100-2x8": 32, "a100-8x8": 128}
+BATCH = {"a100-2x8": 32, "a100-8x8": 128, "a100-8x8-eth": 128}
 HAND_WRITTEN = ["pp_dp", "pp_tp", "pp_fsdp"]
 
 
