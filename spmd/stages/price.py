@@ -38,6 +38,7 @@ from spmd.search.regions import RegionCache, RegionPlan, search_region
 from spmd.sharding import bytes_per_device
 from spmd.stages.split import BACKWARD, FORWARD, UPDATE, LayeredStep
 from spmd.trace.graph import Value
+from spmd.trace.regions import Region
 
 __all__ = ["StageCost", "combine", "link_time", "price_stage"]
 
@@ -120,6 +121,26 @@ def combine(costs: Sequence[StageCost], link: Link | None, first: bool, last: bo
         fits=all(c.fits for c in costs))
 
 
+def _as_microbatches_read(step_inputs: Sequence[InputInfo], regions: Mapping[str, Region],
+                          plans: Mapping[str, RegionPlan], graph) -> list[InputInfo]:
+    """``step_inputs`` with each one the forward (else the backward) task reads and nothing
+    pins taken in the spec that task's plan chose: a stage keeps one spec per leaf, and its
+    forward and backward work run once per microbatch, the update once per step, so the
+    update is planned around theirs (left free, it split the parameters its own way, and a
+    stage planned from those layer prices paid 10x their update once its forward's specs
+    were kept)."""
+    out = list(step_inputs)
+    for p in (BACKWARD, FORWARD):  # the forward's choice wins
+        if p not in plans:
+            continue
+        for v, spec in zip(regions[p].inputs, plans[p].result.input_specs):
+            node = graph.nodes[v.node]
+            if node.kind == "input" and step_inputs[node.input_index].pinned is None:
+                out[node.input_index] = dataclasses.replace(step_inputs[node.input_index],
+                                                            pinned=spec)
+    return out
+
+
 def price_stage(layered: LayeredStep, start: int, stop: int, mesh: DeviceMesh, *,
                 step_inputs: Sequence[InputInfo], output_aliases: Mapping[int, int],
                 send_link: Link | None, options: SearchOptions = SearchOptions(),
@@ -135,14 +156,16 @@ def price_stage(layered: LayeredStep, start: int, stop: int, mesh: DeviceMesh, *
     graph, layer, phase = layered.graph, layered.layer, layered.phase
     plans: dict[str, RegionPlan] = {}
     fits = True
-    for p, region in regions.items():
+    for p, region in regions.items():  # forward, backward, then the update
+        inputs = step_inputs if p != UPDATE else _as_microbatches_read(
+            step_inputs, regions, plans, graph)
         try:
-            plans[p] = search_region(region, mesh, step_inputs=step_inputs,
+            plans[p] = search_region(region, mesh, step_inputs=inputs,
                                      output_aliases=output_aliases, options=options, cache=cache)
         except PlanError:  # over the device's memory, or no assignment found within it
             fits = False
             unbounded = dataclasses.replace(options, memory_budget=UNBOUNDED)
-            plans[p] = search_region(region, mesh, step_inputs=step_inputs,
+            plans[p] = search_region(region, mesh, step_inputs=inputs,
                                      output_aliases=output_aliases, options=unbounded,
                                      cache=cache)
 
