@@ -96,6 +96,30 @@ def bytes_per_device(shape: Sequence[int], dtype, spec: Spec, mesh_shape: Mappin
     return math.prod(shard_shape(shape, spec, mesh_shape)) * np.dtype(dtype).itemsize
 
 
+def spread(spec: Spec, shape: Sequence[int], mesh_shape: Mapping[str, int]) -> Spec:
+    """``spec`` with every mesh axis it leaves unused (of size > 1) also splitting a dim
+    that its size still divides (the largest piece first): each device then holds a piece
+    no other holds. A copy between pipeline stages sends a replicated activation so, each
+    device a part, and the receiving stage gathers it on its own links (Megatron's
+    scatter-gather of pipeline sends), not each device all of it over the slower link
+    between stages.
+
+    >>> spread((("data",), ()), (8, 6), {"data": 2, "model": 3})
+    (('data',), ('model',))
+    >>> spread(((), ()), (8, 5), {"data": 2, "model": 4})
+    (('data', 'model'), ())
+    """
+    dims = [list(axes) for axes in spec]
+    for axis, size in mesh_shape.items():
+        if size <= 1 or axis in used_axes(spec):
+            continue
+        pieces = shard_shape(shape, tuple(tuple(d) for d in dims), mesh_shape)
+        fits = [k for k in range(len(dims)) if pieces[k] % size == 0]
+        if fits:
+            dims[max(fits, key=lambda k: pieces[k])].append(axis)
+    return tuple(tuple(d) for d in dims)
+
+
 def format_spec(spec: Spec) -> str:
     """Readable form for plans: ``S(data)R`` style would hide axis names, so print P-like text.
 

@@ -53,7 +53,7 @@ from spmd.errors import PlanError
 from spmd.runtime.constrain import constrained
 from spmd.runtime.transfer import StageLinks, absent, abstract, holds
 from spmd.search.regions import RegionPlan
-from spmd.sharding import Spec, to_partition_spec
+from spmd.sharding import Spec, from_partition_spec, spread, to_partition_spec
 from spmd.stages.schedule import Schedule
 from spmd.stages.split import UPDATE, StageSplit, Task
 from spmd.trace.graph import Value
@@ -182,26 +182,36 @@ class Pipeline:
         ``dst`` in ``sharding`` (default: the same spec there); None where this process holds
         no device of ``dst``. Every process calls it at the same point of the step, so a copy
         between processes (``StageLinks``) has both ends; a copy between stages is counted in
-        ``transfers``."""
+        ``transfers``, in the bytes one device sends. It goes in pieces no two devices share
+        (``spmd.sharding.spread``) and is gathered into its spec on arrival, so a replicated
+        value crosses the link between the stages once, not once per device."""
         if src == dst:
             return self._put(x, dst, sharding) if sharding is not None else x
         if not (self._runs[src] or self._runs[dst]):
             return None
-        if not self.collective:  # one process: jax copies device to device
-            if spec is None:
-                spec = x.sharding.spec if isinstance(x.sharding, NamedSharding) else PartitionSpec()
-            moved = jax.device_put(x, sharding or NamedSharding(self.meshes[dst], spec))
-        else:
-            if spec is None:  # a spec the other process cannot know: send the value whole
+        if spec is None:
+            if not self.collective:  # one process: the spec its program left it in
+                spec = (x.sharding.spec if isinstance(x.sharding, NamedSharding)
+                        else PartitionSpec())
+            else:  # a spec the other process cannot know: send the value whole
                 spec = PartitionSpec()
                 if x is not None:
                     x = self._put(x, src, NamedSharding(self.meshes[src], spec))
-            moved = self.links.send(x, src, dst, spec, shape, dtype)
-            if moved is not None and sharding is not None:
-                moved = self._put(moved, dst, sharding)
+        sent = to_partition_spec(spread(from_partition_spec(spec, len(shape)), shape,
+                                        dict(self.meshes[src].shape)))
+        if x is not None and sent != spec:  # each device keeps its part: no copy
+            x = self._put(x, src, NamedSharding(self.meshes[src], sent))
+        arrival = sharding or NamedSharding(self.meshes[dst], spec)
+        if not self.collective:  # one process: jax copies device to device
+            moved = jax.device_put(x, arrival if sent == spec else
+                                   NamedSharding(self.meshes[dst], sent))
+        else:
+            moved = self.links.send(x, src, dst, sent, shape, dtype)
         if moved is not None:
             per_device = max(shard.data.nbytes for shard in moved.addressable_shards)
             self.transfers.append((dst, what, per_device))
+            if not moved.sharding.is_equivalent_to(arrival, len(shape)):
+                moved = self._put(moved, dst, arrival)  # gathered on the stage's own links
         return moved
 
     def place(self, leaves: Sequence[Any]) -> list[Any]:

@@ -32,8 +32,8 @@ from spmd.search.regions import RegionCache
 from spmd.stages.plan import PipelinePlan, StagePlan, predict
 from spmd.stages.price import price_stage
 from spmd.stages.schedule import schedule
-from spmd.sharding import Spec, bytes_per_device
-from spmd.stages.split import LayeredStep, StageSplit
+from spmd.sharding import Spec, bytes_per_device, replicated, spread
+from spmd.stages.split import UPDATE, LayeredStep, StageSplit
 from spmd.trace.graph import Graph, build_graph
 from spmd.trace.signature import Leaf, StepSignature
 
@@ -191,9 +191,11 @@ def plan_manual_pipeline(full: StepSignature, args: Sequence[Any], mesh: DeviceM
 
 def shared_copy_time(split: StageSplit, leaves: Sequence[Leaf], specs: Sequence[Spec],
                      mesh: DeviceMesh, link: Link | None) -> float:
-    """Seconds per step copying the state that more than one stage reads (a tied
-    embedding) from the stage keeping it to each other reader, at the stage link; each
-    device copies its own shard (``specs``: the leaves' specs on a stage's ``mesh``)."""
+    """Seconds per step copying between stages what is not a microbatch's: the state that
+    more than one stage reads (a tied embedding) from the stage keeping it to each other
+    reader, and the sums one stage accumulates for another's update (the tied embedding's
+    gradient from the last stage), at the stage link, each device sending a part
+    (``spmd.sharding.spread``; ``specs``: the leaves' specs on a stage's ``mesh``)."""
     if link is None:
         return 0.0
     graph = split.graph
@@ -203,9 +205,14 @@ def shared_copy_time(split: StageSplit, leaves: Sequence[Leaf], specs: Sequence[
             node = graph.nodes[v.node]
             if node.kind == "input" and leaves[node.input_index].kind != "batch":
                 readers.setdefault(node.input_index, set()).add(t.stage)
-    total = 0.0
-    for i, stages in readers.items():
-        if len(stages) > 1:
-            nbytes = bytes_per_device(leaves[i].shape, leaves[i].dtype, specs[i], mesh.shape)
-            total += (len(stages) - 1) * (nbytes / link.bandwidth + link.latency)
-    return total
+    copies = [((len(stages) - 1), leaves[i].shape, leaves[i].dtype, specs[i])
+              for i, stages in readers.items() if len(stages) > 1]
+    accumulated = set(split.accumulated)
+    for t in split.tasks:
+        if t.phase == UPDATE:
+            copies += [(1, graph.value_shape(v), graph.value_dtype(v), replicated(
+                len(graph.value_shape(v)))) for v in t.region.inputs
+                if v in accumulated and split.stage_of[v.node] != t.stage]
+    return sum(count * (bytes_per_device(shape, dtype, spread(spec, shape, mesh.shape),
+                                         mesh.shape) / link.bandwidth + link.latency)
+               for count, shape, dtype, spec in copies)

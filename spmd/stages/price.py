@@ -8,8 +8,11 @@ step inputs pinned where a hand-written plan fixes them. From those plans:
 
 - **time per microbatch**: the forward's and backward's predicted time, plus sending what
   other stages read (the activation the next stage starts from, the gradient the stage
-  before continues with) over the link between the stages: bytes per device (each device
-  sends its own shard) over the link's bandwidth, plus its latency;
+  before continues with) over the link between the stages: bytes per device over the
+  link's bandwidth, plus its latency, each device sending a part no other sends
+  (``spmd.sharding.spread``: a replicated activation goes in pieces and the receiving
+  stage gathers it on its own links, which is not priced: over NVLink a twentieth of the
+  send between hosts or less);
 - **memory**: the optimizer state the update alone reads, the gradient sums, the larger of
   the forward's and the backward's own peak (each holds one microbatch's residuals: the
   forward values the backward reads, its own and those other stages sent it), and ``k - 1``
@@ -35,7 +38,7 @@ from spmd.errors import PlanError
 from spmd.options import SearchOptions
 from spmd.search.costgraph import InputInfo
 from spmd.search.regions import RegionCache, RegionPlan, search_region
-from spmd.sharding import bytes_per_device
+from spmd.sharding import bytes_per_device, spread
 from spmd.stages.split import BACKWARD, FORWARD, UPDATE, LayeredStep
 from spmd.trace.graph import Value
 from spmd.trace.regions import Region
@@ -183,10 +186,16 @@ def price_stage(layered: LayeredStep, start: int, stop: int, mesh: DeviceMesh, *
         return any(not start <= layer[c] < stop and phase[c] != UPDATE
                    for c in graph.nodes[v.node].consumers)
 
+    def sent_size(v: Value, p: str) -> int:  # in the pieces a copy to another stage sends
+        shape = graph.value_shape(v)
+        spec = specs[p, True].get(v) or ((),) * len(shape)
+        return bytes_per_device(shape, graph.value_dtype(v), spread(spec, shape, mesh.shape),
+                                mesh.shape)
+
     seconds, sent = {FORWARD: 0.0, BACKWARD: 0.0}, {FORWARD: 0.0, BACKWARD: 0.0}
     for p in (FORWARD, BACKWARD):
         if p in plans:
-            sent[p] = sum(size(v, p) for v in regions[p].outputs if outside(v))
+            sent[p] = sum(sent_size(v, p) for v in regions[p].outputs if outside(v))
             seconds[p] = plans[p].prediction.total_time + link_time(sent[p], send_link)
     bwd_reads = set(regions[BACKWARD].inputs) if BACKWARD in regions else set()
     own = set(regions[FORWARD].outputs) if FORWARD in regions else set()
@@ -213,10 +222,11 @@ def price_stage(layered: LayeredStep, start: int, stop: int, mesh: DeviceMesh, *
             if node.kind == "input" and v not in micro_inputs:
                 state += size(v, UPDATE, output=False)
             elif node.kind == "op" and phase[v.node] != UPDATE:
-                # held as the task that makes it returns it (the runtime sums it there)
+                # held as the task that makes it returns it (the runtime sums it there); a
+                # sum another stage makes arrives for the update alone (its peak)
                 made = next((p for p in (BACKWARD, FORWARD) if p in regions
                              and v in specs[p, True]), None)
-                sums += size(v, made) if made else size(v, UPDATE, output=False)
+                sums += size(v, made) if made else 0
         update_time = plans[UPDATE].prediction.total_time
         update_peak = plans[UPDATE].prediction.memory_bytes
         update_comm = plans[UPDATE].prediction.comm_time

@@ -12,7 +12,10 @@ into two phases:
   microbatch phase's *accumulated* values (those it reads, and the step outputs the
   microbatch phase makes: the gradients, the loss) averaged over the microbatches. That
   average is exactly the whole batch's value for a loss that is a mean over the batch (the
-  zoo's, and most): the mean of equal-sized microbatches' means.
+  zoo's, and most): the mean of equal-sized microbatches' means. A sum of gradient
+  contributions that only the update reads (``add_any``: a tied embedding's, from its first
+  layer and its last) is update work too: each contribution is accumulated where it is made
+  and crosses stages once per step.
 
 Each op's stage is that of its layer (``spmd.trace.layers.layer_of``): ``stage_starts`` says
 which layer each stage starts at. A task is one (stage, phase) region
@@ -140,6 +143,15 @@ def _phases(graph: Graph) -> list[str]:
         latest = max(phases - {UPDATE} or phases, key=order.index)
         for n in scan.nodes:
             phase[n] = latest
+    # A sum of gradient contributions only the update reads (a tied embedding's, from the
+    # first layer and the last) is a sum of sums: each contribution accumulates on its own
+    # stage, and they are added once per step, not sent across stages every microbatch.
+    outputs = {v.node for v in graph.outputs if v is not None}
+    for n in reversed(ops):
+        if (n.op.primitive == "add_any" and phase[n.id] == BACKWARD and n.scan < 0
+                and (n.consumers or n.id in outputs)
+                and all(phase[c] == UPDATE for c in n.consumers)):
+            phase[n.id] = UPDATE
     return phase
 
 
