@@ -276,3 +276,29 @@ def test_a_stage_that_recomputes_holds_less_and_trains_as_one_device(mesh):
     ref_step = nnx.jit(spec.train_step)
     np.testing.assert_allclose(losses, [float(ref_step(ref_net, ref_opt, batch)["loss"])
                                         for _ in range(2)], rtol=1e-5)
+
+
+def test_the_tied_embeddings_gradient_crosses_stages_once_per_step(mesh):
+    """gpt-tiny ties its embedding to its logits: the gradient's two contributions are
+    summed in the update (each accumulated on its own stage), so the last stage sends
+    stage 0 only the activation's gradient each microbatch, and the update's copy of the
+    other contribution is priced once per step."""
+    spec = zoo.get("gpt-tiny")
+    batch = spec.batch(16, 0)
+    step = spmd.parallelize(spec.train_step, mesh=mesh, method="pp_dp")
+    plan = step.plan_for(*spmd.eval_shape(spec.training_state), batch)
+    split, graph = plan.split, plan.split.graph
+    wte = next(leaf for leaf in plan.leaves if leaf.path.endswith("wte"))
+    embedding_sized = [v for t in split.tasks if t.phase == BACKWARD and t.stage == 1
+                       for v in t.region.outputs if graph.value_shape(v) == wte.shape]
+    assert embedding_sized and all(v in split.accumulated for v in embedding_sized)
+    updates = {t.stage: t for t in split.tasks if t.phase == UPDATE}
+    assert any(v in embedding_sized for v in updates[0].region.inputs)
+    # what stage 0's microbatch work reads from stage 1's: activation gradients only
+    crossing = [v for t in split.tasks if t.phase == BACKWARD and t.stage == 1
+                for v in t.region.outputs
+                if any(split.stage_of[c] == 0 and split.phase_of[c] != UPDATE
+                       for c in graph.nodes[v.node].consumers)]
+    assert crossing and all(graph.value_shape(v)[0] == batch["inputs"].shape[0]
+                            // plan.microbatches for v in crossing)
+    assert plan.prediction.copy_time > 0
