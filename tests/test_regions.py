@@ -10,7 +10,7 @@ from spmd.analysis.report import analyze
 from spmd.options import SearchOptions
 from spmd.planner import step_inputs
 from spmd.runtime.compile import jit_region
-from spmd.search.regions import RegionCache, search_region
+from spmd.search.regions import RegionCache, region_inputs, search_region
 from spmd.trace.layers import forward_ops, layer_of
 from spmd.trace.regions import Region, layer_region
 
@@ -74,6 +74,9 @@ def test_a_layer_range_on_a_submesh_compiles_as_predicted_and_repeats_from_the_c
                           output_aliases=sig.output_aliases, options=options, cache=cache)
     assert not plan.cached and again.cached and again.key == plan.key
     assert (cache.hits, cache.misses) == (1, 1)
+    # The plan from the cache names the second block's leaves, not the first's.
+    paths = [i.path for i in region_inputs(layer_region(graph, layers, 2, 3), inputs)]
+    assert [i.path for i in again.inputs] == paths != [i.path for i in plan.inputs]
     # The block's parameters and optimizer state come back in their own specs.
     assert plan.output_aliases and all(
         plan.result.output_specs[o] == plan.result.input_specs[i]

@@ -61,13 +61,16 @@ class RegionCache:
         self.hits = 0
         self.misses = 0
 
-    def get(self, key: str) -> RegionPlan | None:
+    def get(self, key: str, inputs: list[InputInfo]) -> RegionPlan | None:
+        """The plan stored under ``key``, for a region whose inputs are ``inputs``: alike
+        in everything the key holds (shapes, kinds, pins), not in their paths, which the
+        plan then carries as this region's (another stage's leaves, found by path)."""
         found = self._plans.get(key)
         if found is None:
             self.misses += 1
             return None
         self.hits += 1
-        return dataclasses.replace(found, cached=True)
+        return dataclasses.replace(found, inputs=inputs, cached=True)
 
     def put(self, key: str, plan: RegionPlan) -> None:
         self._plans[key] = plan
@@ -125,7 +128,7 @@ def search_region(region: Region, mesh: DeviceMesh, *,
         region.key(), [(i.shape, str(i.dtype), i.kind, i.pinned) for i in inputs],
         sorted(aliases.items()), _mesh_key(mesh), options.plan_key())).encode()).hexdigest()[:32]
     if cache is not None:
-        hit = cache.get(digest)
+        hit = cache.get(digest, inputs)
         if hit is not None:
             return hit
     program = region.program()
