@@ -60,6 +60,27 @@ def test_split_of_a_two_layer_step():
         split_step(cj, num_layers=2, stage_starts=(1,))
 
 
+def test_only_sums_that_join_layers_wait_for_the_update():
+    """A weight read twice in the first layer and once in the last: the first layer's two
+    contributions are summed every microbatch (one sum kept); the sums joining the layers
+    run in the update, so each layer's contributions accumulate on their own stage."""
+    from spmd.stages.split import LayeredStep, _contribution_layers
+
+    def step(ws, x):
+        def loss(ws):
+            a, b = ws
+            h = jnp.tanh(x @ a) + jnp.sin(x @ a)
+            return jnp.mean(jnp.tanh(h @ b) @ a)
+        value, g = jax.value_and_grad(loss)(ws)
+        return [w - 0.1 * d for w, d in zip(ws, g)], value
+
+    layered = LayeredStep(jax.make_jaxpr(step)([jnp.ones((8, 8))] * 2, jnp.ones((4, 8))), 2)
+    ops = [n for n in layered.graph.nodes if n.kind == "op"]
+    spans = _contribution_layers(layered.graph, ops, layered.layer)
+    assert {layered.phase[i] for i, layers in spans.items() if len(layers) > 1} == {UPDATE}
+    assert {layered.phase[i] for i, layers in spans.items() if len(layers) == 1} == {BACKWARD}
+
+
 def _grad_step(spec):
     def grads(model, batch):
         return nnx.value_and_grad(spec.loss)(model, batch)

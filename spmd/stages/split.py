@@ -44,7 +44,7 @@ import dataclasses
 from typing import Mapping, Sequence
 
 from spmd.errors import PlanError
-from spmd.trace.graph import Graph, Value, build_graph
+from spmd.trace.graph import Graph, Node, Value, build_graph
 from spmd.trace.layers import forward_ops, is_backward, layer_of
 from spmd.trace.regions import Region
 
@@ -109,7 +109,7 @@ class StageSplit:
         return (self.stage_of[v.node], self.phase_of[v.node]) if node.kind == "op" else None
 
 
-def _phases(graph: Graph) -> list[str]:
+def _phases(graph: Graph, layer: Sequence[int]) -> list[str]:
     """FORWARD, BACKWARD or UPDATE per node, as the module docstring defines them."""
     ops = [n for n in graph.nodes if n.kind == "op"]
     micro = set(forward_ops(graph)) | {n.id for n in ops if is_backward(n)}
@@ -146,13 +146,32 @@ def _phases(graph: Graph) -> list[str]:
     # A sum of gradient contributions only the update reads (a tied embedding's, from the
     # first layer and the last) is a sum of sums: each contribution accumulates on its own
     # stage, and they are added once per step, not sent across stages every microbatch.
+    # Contributions of one layer are on one stage: summed per microbatch, they keep one sum.
     outputs = {v.node for v in graph.outputs if v is not None}
+    sources = _contribution_layers(graph, ops, layer)
     for n in reversed(ops):
         if (n.op.primitive == "add_any" and phase[n.id] == BACKWARD and n.scan < 0
-                and (n.consumers or n.id in outputs)
+                and len(sources[n.id]) > 1 and (n.consumers or n.id in outputs)
                 and all(phase[c] == UPDATE for c in n.consumers)):
             phase[n.id] = UPDATE
     return phase
+
+
+def _contribution_layers(graph: Graph, ops: Sequence[Node], layer: Sequence[int]
+                         ) -> dict[int, frozenset[int]]:
+    """For each ``add_any``, the layers of the contributions it sums, through the sums it
+    adds (a weight read three times is summed by a chain of two)."""
+    sources: dict[int, frozenset[int]] = {}
+    for n in ops:
+        if n.op.primitive != "add_any":
+            continue
+        found: set[int] = set()
+        for v in n.operands:
+            if v is None or graph.nodes[v.node].kind != "op":
+                continue
+            found |= sources.get(v.node, {layer[v.node]})
+        sources[n.id] = frozenset(found)
+    return sources
 
 
 def _check_flow(graph: Graph, stage: list[int], phase: list[str]) -> None:
@@ -185,7 +204,7 @@ class LayeredStep:
         self.graph = graph if graph is not None else build_graph(closed_jaxpr)
         self.num_layers = num_layers
         self.layer = layer_of(self.graph, num_layers)
-        self.phase = _phases(self.graph)
+        self.phase = _phases(self.graph, self.layer)
         self._read_by: dict[Value, set[int]] | None = None
 
     def regions(self, start: int, stop: int, recompute: bool = False) -> dict[str, Region]:
