@@ -287,12 +287,14 @@ def test_a_stage_that_recomputes_holds_less_and_trains_as_one_device(mesh):
     pipeline = step._prepare((net, opt, batch)).executable.pipeline
     pipeline.measure = True
     losses = [float(step(net, opt, batch)["loss"]) for _ in range(2)]
+    measured = {}
     for s, st in enumerate(plan.stages):
         temps = max(c.memory_analysis().temp_size_in_bytes
                     for task, c in pipeline.compiled().items() if task.startswith(f"stage {s}"))
+        measured[s] = pipeline.held[s] + temps
         predicted = st.cost.memory(plan.schedule.in_flight(s))
-        assert predicted == pytest.approx(pipeline.held[s] + temps, rel=0.15), (s, predicted)
-    assert pipeline.held[0] + temps < kept[0]
+        assert predicted == pytest.approx(measured[s], rel=0.15), (s, predicted)
+    assert measured[0] < kept[0]
     ref_net, ref_opt = spec.training_state()
     ref_step = nnx.jit(spec.train_step)
     np.testing.assert_allclose(losses, [float(ref_step(ref_net, ref_opt, batch)["loss"])

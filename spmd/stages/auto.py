@@ -9,11 +9,11 @@ fixes one instead), every layer is priced on a stage's submesh at that microbatc
 microbatches idle the pipeline less (``(p - 1) / (B + p - 1)``) and hold less per
 microbatch in flight, but shrink each microbatch's work, whose collectives and kernels do
 not shrink as fast; each count is a trace and a pricing of its own, so the counts stop
-rising for a ``p`` once one predicts no faster step than the one before. The best ``(p, B, cut)`` by predicted step time is then planned for real: each
-stage's layer range searched as one program on its submesh (its parameters and optimizer
-state get one spec, what its forward, backward and update programs then take), and its tasks
-priced again with those specs fixed: the prediction the plan reports, and the sharding
-constraints its programs run under (``spmd.runtime.pipeline``).
+rising for a ``p`` once one predicts no faster step than the one before. The best ``(p, B, cut)`` by predicted step time is then planned for real: a
+stage's inputs take the specs its layers' forward and backward searches chose for them
+(``_layer_specs``: a stage keeps one spec per leaf), and its tasks are searched again with
+those pinned, the update choosing the optimizer state's: the prediction the plan reports,
+and the sharding constraints its programs run under (``spmd.runtime.pipeline``).
 """
 
 from __future__ import annotations
@@ -115,11 +115,10 @@ def _microbatch_counts(rows: int, stages: int, options: SearchOptions) -> list[i
     return wanted or fewer[-1:]
 
 
-#: seconds each layer's task search may take while pricing (a layer is a small program;
-#: the chosen stages are searched with the full ``time_limit``)
+#: seconds each layer's task search may take while pricing (a layer is a small program)
 LAYER_TIME_LIMIT = 1.0
-#: seconds the search of each chosen stage's whole layer range may take (it fixes the
-#: specs of the stage's state, which each layer's search chose alone)
+#: seconds each task search of a chosen stage may take (its inputs pinned, what is left to
+#: choose is its intermediates' specs and, in the update, the optimizer state's)
 STAGE_TIME_LIMIT = 2.0
 
 
@@ -258,9 +257,9 @@ def _final_plan(full: StepSignature, mesh: DeviceMesh, options: SearchOptions,
     budget = mesh.device.memory_bytes if options.memory_budget is None else options.memory_budget
     bounds = list(best.partition.starts) + [layered.num_layers]
     inputs = _inputs(micro, meshes[0], options)
-    # each task's values other than its inputs searched as the stage's were, not scored
-    whole_stage = dataclasses.replace(options, time_limit=min(options.time_limit,
-                                                              STAGE_TIME_LIMIT))
+    # each task's intermediates searched around the pinned inputs (not only scored)
+    stage_options = dataclasses.replace(
+        options, time_limit=min(options.time_limit, STAGE_TIME_LIMIT))
     stages = []
     for s, sub in enumerate(meshes):
         chosen = _layer_specs(layered, best.per_layer, bounds[s], bounds[s + 1], micro.leaves)
@@ -269,7 +268,7 @@ def _final_plan(full: StepSignature, mesh: DeviceMesh, options: SearchOptions,
         def priced(recompute: bool):
             return price_stage(layered, bounds[s], bounds[s + 1], sub, step_inputs=pinned,
                                output_aliases=micro.output_aliases, send_link=link,
-                               options=whole_stage, cache=cache, recompute=recompute)
+                               options=stage_options, cache=cache, recompute=recompute)
 
         cost = priced(best.partition.recompute[s])
         if not cost.recompute and cost.memory(sched.in_flight(s)) > budget:

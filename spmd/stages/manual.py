@@ -10,9 +10,10 @@ every stage, and twice as many microbatches as stages.
 
 "Equal layers" is the step's forward pass cut into as many ranges of balanced FLOPs as
 there are stages (``spmd.trace.layers``): for a GPT, whole blocks, with the embedding and
-the logits counted as the work they are. A stage whose microbatches in flight would not fit
-the device's memory (or ``memory_budget``) recomputes its forward values in its backward
-task, as an expert turns on rematerialization where memory needs it.
+the logits counted as the work they are. Where the plan is priced (``SearchOptions.compare``
+or a ``memory_budget``), a stage whose microbatches in flight would not fit the device's
+memory (or the budget) recomputes its forward values in its backward task, as an expert
+turns on rematerialization where memory needs it; unpriced, no stage recomputes.
 """
 
 from __future__ import annotations
