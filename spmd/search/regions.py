@@ -29,10 +29,11 @@ from spmd.errors import InfeasibleError
 from spmd.options import SearchOptions
 from spmd.search.costgraph import InputInfo
 from spmd.search.intra_op import AutoResult, IntraOp
+from spmd.sharding import Spec
 from spmd.trace.graph import Value, build_graph
 from spmd.trace.regions import Region
 
-__all__ = ["RegionCache", "RegionPlan", "search_region"]
+__all__ = ["RegionCache", "RegionPlan", "search_region", "step_input_specs"]
 
 
 @dataclasses.dataclass
@@ -110,6 +111,15 @@ def region_aliases(region: Region, output_aliases: Mapping[int, int]) -> dict[in
         if v is not None and v in returned and src in position:
             out[returned[v]] = position[src]
     return out
+
+
+def step_input_specs(region: Region, plan: RegionPlan) -> dict[int, Spec]:
+    """The spec ``plan`` chose for each step input ``region`` reads, by the input's index
+    in the step (a stage keeps one spec per leaf, whichever of its tasks chose it)."""
+    graph = region.graph
+    return {graph.nodes[v.node].input_index: spec
+            for v, spec in zip(region.inputs, plan.result.input_specs)
+            if graph.nodes[v.node].kind == "input"}
 
 
 def search_region(region: Region, mesh: DeviceMesh, *,

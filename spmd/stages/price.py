@@ -37,7 +37,7 @@ from spmd.cluster.mesh import DeviceMesh, Link
 from spmd.errors import PlanError
 from spmd.options import SearchOptions
 from spmd.search.costgraph import InputInfo
-from spmd.search.regions import RegionCache, RegionPlan, search_region
+from spmd.search.regions import RegionCache, RegionPlan, search_region, step_input_specs
 from spmd.sharding import bytes_per_device, spread
 from spmd.stages.split import BACKWARD, FORWARD, UPDATE, LayeredStep
 from spmd.trace.graph import Value
@@ -125,7 +125,7 @@ def combine(costs: Sequence[StageCost], link: Link | None, first: bool, last: bo
 
 
 def _as_microbatches_read(step_inputs: Sequence[InputInfo], regions: Mapping[str, Region],
-                          plans: Mapping[str, RegionPlan], graph) -> list[InputInfo]:
+                          plans: Mapping[str, RegionPlan]) -> list[InputInfo]:
     """``step_inputs`` with each one the forward (else the backward) task reads and nothing
     pins taken in the spec that task's plan chose: a stage keeps one spec per leaf, and its
     forward and backward work run once per microbatch, the update once per step, so the
@@ -136,11 +136,9 @@ def _as_microbatches_read(step_inputs: Sequence[InputInfo], regions: Mapping[str
     for p in (BACKWARD, FORWARD):  # the forward's choice wins
         if p not in plans:
             continue
-        for v, spec in zip(regions[p].inputs, plans[p].result.input_specs):
-            node = graph.nodes[v.node]
-            if node.kind == "input" and step_inputs[node.input_index].pinned is None:
-                out[node.input_index] = dataclasses.replace(step_inputs[node.input_index],
-                                                            pinned=spec)
+        for k, spec in step_input_specs(regions[p], plans[p]).items():
+            if step_inputs[k].pinned is None:
+                out[k] = dataclasses.replace(step_inputs[k], pinned=spec)
     return out
 
 
@@ -161,7 +159,7 @@ def price_stage(layered: LayeredStep, start: int, stop: int, mesh: DeviceMesh, *
     fits = True
     for p, region in regions.items():  # forward, backward, then the update
         inputs = step_inputs if p != UPDATE else _as_microbatches_read(
-            step_inputs, regions, plans, graph)
+            step_inputs, regions, plans)
         try:
             plans[p] = search_region(region, mesh, step_inputs=inputs,
                                      output_aliases=output_aliases, options=options, cache=cache)
