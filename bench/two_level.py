@@ -4,6 +4,7 @@ on virtual A100 clusters (nothing materialized; planned on this CPU box).
 
     python bench/two_level.py          # gpt-2.6b, 6.7b, 13b on a100-2x8, a100-8x8, a100-8x8-eth
     python bench/two_level.py --models gpt-2.6b --meshes a100-2x8
+    python bench/two_level.py --report bench/results/two_level.json   # render again
 
 For each case: auto at one level (``PipelineOptions(max_stages=1)``: the intra-op search
 with remat where memory needs it), auto at two levels forced to >= 2 stages (the stage
@@ -151,10 +152,13 @@ def _subprocess(model: str, mesh: str, args) -> dict[str, Any]:
 
 
 def _ms(entry: dict | None) -> str:
+    """A plan's predicted ms, with how many of its stages recompute and whether it fits."""
     if not entry or "time" not in entry:
         return "n/a" if not entry else "error (below)"
-    fits = "" if entry.get("fits", True) else " (over memory)"
-    return f"{entry['time'] * 1e3:.1f}{fits}"
+    redone = sum(entry.get("recompute") or ())
+    notes = ([f"{redone} recompute"] if redone else []) + (
+        [] if entry.get("fits", True) else ["over memory"])
+    return f"{entry['time'] * 1e3:.1f}" + (f" ({', '.join(notes)})" if notes else "")
 
 
 def render(data: dict[str, Any]) -> str:
@@ -177,10 +181,8 @@ def render(data: dict[str, Any]) -> str:
         two_level = [t for k, t in candidates.items() if k != "intra-only"]
         ratio = (f"{single['time'] / min(two_level):.2f}" if "time" in single and two_level
                  else "n/a")
-        redone = sum(staged.get("recompute") or ())
         shape = (f"{len(staged['stages'])} x {staged['devices_per_stage']} dev, "
                  f"B={staged['microbatches']}, bubble {staged['bubble']:.0%}"
-                 + (f", {redone} recompute" if redone else "")
                  if "stages" in staged else "")
         ok = auto is not None and all(auto <= t * (1 + 1e-9) for t in candidates.values())
         rows.append([case["model"], case["mesh"], _ms(single), _ms(staged), shape,
@@ -213,10 +215,10 @@ def render(data: dict[str, Any]) -> str:
              "run). Global batch: " + ", ".join(f"{k} {v}" for k, v in BATCH.items())
              + " sequences of 1024 tokens, fp32. Intra-only: auto with "
              "`PipelineOptions(max_stages=1)` (remat and host offload where memory needs "
-             "them). Stage search: `plan_two_level` forced to >= 2 stages; 'k recompute': "
-             "stages that recompute their forward pass in their backward task, where they "
-             "would not fit otherwise. Hand-written: stages along `data` (one per host), 2 x "
-             "stages microbatches, stages recomputing where over memory; '(over memory)' "
+             "them). Stage search: `plan_two_level` forced to >= 2 stages. Hand-written: stages "
+             "along `data` (one per host), 2 x stages microbatches, stages recomputing where "
+             "over memory. '(k recompute)': stages that recompute their forward pass in "
+             "their backward task, where they would not fit otherwise; '(over memory)' "
              "marks a plan over 40 GB per GPU even so. auto: what `spmd.plan` "
              "returns, the fastest of the intra-only plan, the stage search's and the "
              "hand-written pipelines that fit (its keep-the-best guard), and which it is. "
@@ -247,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile-stage", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "MESH"), help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--report", type=Path, metavar="JSON",
+                        help="render an earlier run's JSON again, running nothing")
     common.add_output_arguments(parser, "two_level")
     args = parser.parse_args(argv)
     if args.worker:
@@ -258,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
                                  {"model": args.worker[0], "mesh": args.worker[1]},
                                  args.result)
     out_json, md = common.outputs(args, "two_level")
+    if args.report:
+        common.publish(json.loads(args.report.read_text()), out_json, md, SECTION, render)
+        return 0
     data = {"cases": [], "date": common.utc_date(), "machine": common.machine(),
             "command": common.command_line("bench/two_level.py",
                                            None if argv is None else ["two_level.py", *argv])}
