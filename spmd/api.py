@@ -15,15 +15,14 @@ from spmd.errors import InfeasibleError, PlanError
 from spmd.manual import get_method, manual_specs
 from spmd.options import SearchOptions
 from spmd.plan import Plan
-from spmd.planner import plan_auto, score_manual, step_inputs
+from spmd.planner import score_manual, step_inputs
 from spmd.runtime.compile import Executable, prepare
 from spmd.runtime.pipeline import PipelineExecutable
 from spmd.runtime.transfer import absent, holds
 from spmd.runtime.nodes import NodeStateCache, StateRead
 from spmd.sharding import Spec, replicated
-from spmd.stages.auto import considers_pipelines, hand_written_pipelines, plan_two_level
-from spmd.stages.manual import (PIPELINE_METHODS, MicroSteps, is_pipeline,
-                                plan_manual_pipeline)
+from spmd.stages.levels import plan_levels
+from spmd.stages.manual import PIPELINE_METHODS, is_pipeline, plan_manual_pipeline
 from spmd.stages.plan import PipelinePlan
 from spmd.timing import Stopwatch
 from spmd.trace.signature import StepSignature, split_step_args
@@ -68,66 +67,12 @@ def plan(step_fn: Callable, *example_args: Any, mesh: DeviceMesh, method: str = 
             sig = StepSignature(step_fn, example_args, logical_axes=logical_axes,
                                 batch_argnums=batch_argnums)
         if method == "auto":
-            return _plan_auto_levels(sig, example_args, mesh, options or SearchOptions(),
-                                     logical_axes, timings)
+            return plan_levels(sig, example_args, mesh, options or SearchOptions(),
+                               logical_axes, timings)
         if is_pipeline(method):
             return plan_manual_pipeline(sig, example_args, mesh, method,
                                         options or SearchOptions(), logical_axes)
         return plan_manual(sig, mesh, method, options)
-
-
-def _plan_auto_levels(sig: StepSignature, args: Sequence[Any], mesh: DeviceMesh,
-                      options: SearchOptions, logical_axes: Any,
-                      timings: Stopwatch) -> Plan | PipelinePlan:
-    """Auto: the single-stage plan, and where pipelines can win (``considers_pipelines``)
-    the best two-level one beside it; the faster is returned, the other named among its
-    alternatives. ``min_stages`` >= 2 leaves the single-stage plan out."""
-    if not considers_pipelines(mesh, options):
-        return plan_auto(sig, mesh, options, timings)
-    single, why_single = None, None
-    if options.pipeline.min_stages < 2:
-        try:
-            single = plan_auto(sig, mesh, options, timings)
-        except InfeasibleError as err:
-            why_single = f"not a candidate: {err}"
-    staged, why_staged = None, None
-    micro_steps = MicroSteps(sig, args, logical_axes)  # one trace per microbatch count
-    try:
-        staged = plan_two_level(sig, args, mesh, options, logical_axes, timings, micro_steps)
-    except (InfeasibleError, PlanError) as err:
-        why_staged = f"not a candidate: {err}"
-    with timings.phase("pipeline_baselines"):
-        hand = hand_written_pipelines(sig, args, mesh, options, logical_axes, micro_steps)
-    fitting = [p for p in hand.values() if not isinstance(p, str)]
-    best_hand = min(fitting, key=lambda p: p.prediction.total_time, default=None)
-    if best_hand is not None and (staged is None or best_hand.prediction.total_time
-                                  < staged.prediction.total_time):
-        # the stage search's simplifications (equal submeshes, each layer's own plan) can
-        # miss a hand-written pipeline: never return a slower one
-        kept = best_hand.method
-        best_hand.search = {**(staged.search if staged is not None else {}),
-                            "kept_hand_written": kept}
-        best_hand.method = "auto"
-        staged = best_hand
-    if staged is None:
-        if single is None:
-            raise InfeasibleError(why_staged or "no pipeline plan fits")
-        single.alternatives["pipeline (auto)"] = why_staged
-        return single
-    staged.alternatives.update({name: p if isinstance(p, str) else p.prediction
-                                for name, p in hand.items()})
-    if single is not None and single.prediction.total_time <= staged.prediction.total_time:
-        pred = staged.prediction
-        found = staged.search_summary()
-        single.alternatives["pipeline (auto)"] = (
-            f"slower: predicted {pred.total_time * 1e3:.3f} ms, "
-            f"{pred.memory_bytes / 2**20:.2f} MiB, with {len(staged.stages)} stages and "
-            f"{staged.microbatches} microbatches" + (f" ({found})" if found else ""))
-        return single
-    staged.alternatives["single stage (auto)"] = (single.prediction if single is not None
-                                                  else why_single or "not considered "
-                                                  "(PipelineOptions.min_stages >= 2)")
-    return staged
 
 
 def _runnable(p: Plan | PipelinePlan, donate: bool | None) -> Any:

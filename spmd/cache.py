@@ -18,7 +18,7 @@ from spmd.plan import FORMAT_VERSION, Plan
 from spmd.search.costgraph import InputInfo
 from spmd.trace.signature import StepSignature
 
-__all__ = ["cache_path", "load", "save"]
+__all__ = ["cache_path", "load", "load_record", "record_path", "save", "save_record"]
 
 
 @functools.cache
@@ -68,5 +68,34 @@ def save(plan: Plan, path: Path | None) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         plan.save(path)
+    except OSError as err:
+        warn(f"could not save the plan cache {path}: {err}")
+
+
+def record_path(plan_path: Path | None, kind: str) -> Path | None:
+    """Where a record of ``kind`` about the plan cached at ``plan_path`` lives (beside it,
+    under the same key), or None when caching is off."""
+    return None if plan_path is None else plan_path.with_name(f"{plan_path.stem}-{kind}.json")
+
+
+def load_record(path: Path | None) -> dict | None:
+    """A record ``save_record`` wrote, or None when there is none or it does not parse."""
+    if path is None or not path.exists():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+    except ValueError:
+        return None
+    return raw if isinstance(raw, dict) and raw.get("version") == FORMAT_VERSION else None
+
+
+def save_record(record: dict, path: Path | None) -> None:
+    """Save ``record`` at ``path`` (a warning, not an error, when the disk refuses)."""
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({**record, "version": FORMAT_VERSION}, indent=1,
+                                   default=str))
     except OSError as err:
         warn(f"could not save the plan cache {path}: {err}")

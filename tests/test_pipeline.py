@@ -243,6 +243,37 @@ def test_auto_pipeline_matches_one_device(mesh):
                                    atol=1e-5 * max(float(np.abs(ref).max()), 1e-6))
 
 
+def test_auto_at_two_levels_is_made_again_from_its_record(mesh, tmp_path):
+    """The second plan of the same step makes the winner again from the record the first
+    left beside the plan cache (the stage search's stages searched around their recorded
+    specs), not by the searches; a record the step no longer matches is planned afresh."""
+    import json
+
+    spec = zoo.get("gpt-tiny")
+    batch = spec.batch(16, 0)
+    options = spmd.SearchOptions(time_limit=1, compare=False, cache_dir=str(tmp_path),
+                                 pipeline=PipelineOptions(min_stages=2, max_stages=2,
+                                                          layers=3, microbatches=4))
+    abstract = nnx.eval_shape(lambda: spec.create(0))
+    first = spmd.plan(_grad_step(spec), abstract, batch, mesh=mesh, options=options)
+    [record] = tmp_path.glob("*-levels.json")
+    assert json.loads(record.read_text())["choice"] == "stage search"
+    again = spmd.plan(_grad_step(spec), abstract, batch, mesh=mesh, options=options)
+    assert "cache" not in first.search and again.search["cache"] == f"loaded {record}"
+    assert "made again from its record" in again.describe()
+    assert [(st.start, st.stop, st.cost.recompute) for st in again.stages] == [
+        (st.start, st.stop, st.cost.recompute) for st in first.stages]
+    assert [st.input_specs for st in again.stages] == [st.input_specs for st in first.stages]
+    assert again.prediction.total_time == pytest.approx(first.prediction.total_time, rel=0.05)
+    assert set(again.alternatives) == set(first.alternatives)
+    stale = json.loads(record.read_text())
+    stale["stages"]["paths"] = ["another step's input"]
+    record.write_text(json.dumps(stale))
+    afresh = spmd.plan(_grad_step(spec), abstract, batch, mesh=mesh, options=options)
+    assert "cache" not in afresh.search and len(afresh.stages) == 2
+    assert json.loads(record.read_text())["stages"]["paths"] != ["another step's input"]
+
+
 def test_a_scanned_gpt_keeps_its_scan_in_one_stage(mesh):
     """A scan is one unit (its body cannot be cut): the stacked blocks run in one stage and
     the step still computes one device's losses."""

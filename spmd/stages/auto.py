@@ -19,7 +19,7 @@ and the sharding constraints its programs run under (``spmd.runtime.pipeline``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from spmd.cluster.mesh import DeviceMesh
 from spmd.errors import InfeasibleError, PlanError
@@ -27,7 +27,7 @@ from spmd.logical import user_pins
 from spmd.options import SearchOptions
 from spmd.search.costgraph import InputInfo
 from spmd.search.regions import RegionCache, step_input_specs
-from spmd.sharding import Spec, replicated
+from spmd.sharding import Spec, replicated, spec_from_json, spec_to_json
 from spmd.stages.dp import Partition, best_partition, carve, stage_link
 from spmd.stages.manual import (PIPELINE_METHODS, MicroSteps, plan_manual_pipeline,
                                 shared_copy_time)
@@ -39,7 +39,8 @@ from spmd.trace.layers import forward_ops
 from spmd.trace.signature import Leaf, StepSignature
 from spmd.timing import Stopwatch
 
-__all__ = ["considers_pipelines", "hand_written_pipelines", "plan_two_level"]
+__all__ = ["considers_pipelines", "hand_written_pipelines", "plan_two_level", "replan_stages",
+           "stage_record"]
 
 #: the layers the step is cut into for the stage search (fewer if its forward pass has
 #: fewer ops): up to 8 stages, each layer priced once per submesh and microbatch size
@@ -58,12 +59,14 @@ def considers_pipelines(mesh: DeviceMesh, options: SearchOptions) -> bool:
 
 def hand_written_pipelines(full: StepSignature, args: Sequence[Any], mesh: DeviceMesh,
                            options: SearchOptions, logical_axes: Any = None,
-                           micro_steps: MicroSteps | None = None
+                           micro_steps: MicroSteps | None = None,
+                           methods: Sequence[str] = tuple(PIPELINE_METHODS),
                            ) -> dict[str, PipelinePlan | str]:
-    """Each hand-written pipeline plan auto compares itself with (``options.compare``), its
-    stages along the mesh's stage axis or, without one, the outermost axis when it spans
-    the hosts (one stage per host); a plan that does not apply, or does not fit the memory
-    budget or the stage counts the options allow, is the reason why."""
+    """Each hand-written pipeline plan of ``methods`` auto compares itself with
+    (``options.compare``), its stages along the mesh's stage axis or, without one, the
+    outermost axis when it spans the hosts (one stage per host); a plan that does not
+    apply, or does not fit the memory budget or the stage counts the options allow, is the
+    reason why."""
     if not options.compare:
         return {}
     pipe = options.pipeline
@@ -77,7 +80,7 @@ def hand_written_pipelines(full: StepSignature, args: Sequence[Any], mesh: Devic
     budget = mesh.device.memory_bytes if options.memory_budget is None else options.memory_budget
     along = dataclasses.replace(options, pipeline=dataclasses.replace(pipe, stage_axis=axis))
     out: dict[str, PipelinePlan | str] = {}
-    for method in PIPELINE_METHODS:
+    for method in methods:
         try:
             plan = plan_manual_pipeline(full, args, mesh, method, along, logical_axes,
                                         micro_steps=micro_steps)
@@ -250,33 +253,78 @@ def _final_plan(full: StepSignature, mesh: DeviceMesh, options: SearchOptions,
     recomputing where the stage search chose to, or where the stage as planned would not
     fit otherwise."""
     micro, layered = traced
-    meshes = carve(mesh, best.stages)
-    link = stage_link(mesh, meshes)
-    sched = schedule(options.pipeline.schedule, best.stages, best.microbatches)
-    budget = mesh.device.memory_bytes if options.memory_budget is None else options.memory_budget
     bounds = list(best.partition.starts) + [layered.num_layers]
+    chosen = [_layer_specs(layered, best.per_layer, bounds[s], bounds[s + 1], micro.leaves)
+              for s in range(best.stages)]
+    return _plan_stages(full, mesh, options, traced, best.microbatches, best.partition.starts,
+                        chosen, best.partition.recompute, cache)
+
+
+def _plan_stages(full: StepSignature, mesh: DeviceMesh, options: SearchOptions,
+                 traced: tuple[StepSignature, LayeredStep], microbatches: int,
+                 starts: Sequence[int], chosen: Sequence[Sequence[Spec | None]],
+                 recompute: Sequence[bool], cache: RegionCache) -> PipelinePlan:
+    """Stages starting at layers ``starts`` on ``len(starts)`` carved submeshes, stage
+    ``s``'s step inputs pinned to ``chosen[s]`` (None: its tasks choose), each task searched
+    around them, recomputing where ``recompute`` says or where the stage would not fit."""
+    micro, layered = traced
+    meshes = carve(mesh, len(starts))
+    link = stage_link(mesh, meshes)
+    sched = schedule(options.pipeline.schedule, len(starts), microbatches)
+    budget = mesh.device.memory_bytes if options.memory_budget is None else options.memory_budget
+    bounds = list(starts) + [layered.num_layers]
     inputs = _inputs(micro, meshes[0], options)
     # each task's intermediates searched around the pinned inputs (not only scored)
     stage_options = dataclasses.replace(
         options, time_limit=min(options.time_limit, STAGE_TIME_LIMIT))
     stages = []
     for s, sub in enumerate(meshes):
-        chosen = _layer_specs(layered, best.per_layer, bounds[s], bounds[s + 1], micro.leaves)
         pinned = [i if spec is None else dataclasses.replace(i, pinned=spec)
-                  for i, spec in zip(inputs, chosen)]
-        def priced(recompute: bool):
+                  for i, spec in zip(inputs, chosen[s])]
+        def priced(redo: bool):
             return price_stage(layered, bounds[s], bounds[s + 1], sub, step_inputs=pinned,
                                output_aliases=micro.output_aliases, send_link=link,
-                               options=stage_options, cache=cache, recompute=recompute)
+                               options=stage_options, cache=cache, recompute=redo)
 
-        cost = priced(best.partition.recompute[s])
+        cost = priced(recompute[s])
         if not cost.recompute and cost.memory(sched.in_flight(s)) > budget:
             cost = priced(True)
         stages.append(StagePlan(bounds[s], bounds[s + 1], sub, "auto",
-                                _input_specs(cost, chosen, micro.leaves), cost))
-    split = layered.split(best.partition.starts, [st.cost.recompute for st in stages])
+                                _input_specs(cost, chosen[s], micro.leaves), cost))
+    split = layered.split(list(starts), [st.cost.recompute for st in stages])
     plan = PipelinePlan("auto", mesh, full.leaves, layered.num_layers, stages, sched, split,
                         full, micro)
     copies = shared_copy_time(split, micro.leaves, stages[0].input_specs, stages[0].mesh, link)
     plan.prediction = predict([st.cost for st in stages], sched, copy_time=copies)
+    return plan
+
+
+def stage_record(plan: PipelinePlan) -> dict[str, Any]:
+    """What ``replan_stages`` needs to plan ``plan`` (the stage search's) again without the
+    search (JSON-ready): its microbatches, layers, cut, recomputing stages and each stage's
+    input specs."""
+    return {"microbatches": plan.microbatches, "layers": plan.num_layers,
+            "starts": [st.start for st in plan.stages],
+            "recompute": [st.cost.recompute for st in plan.stages],
+            "paths": [leaf.path for leaf in plan.micro.leaves],
+            "specs": [[spec_to_json(spec) for spec in st.input_specs] for st in plan.stages],
+            "search": plan.search}
+
+
+def replan_stages(full: StepSignature, args: Sequence[Any], mesh: DeviceMesh,
+                  options: SearchOptions, record: Mapping[str, Any],
+                  logical_axes: Any = None) -> PipelinePlan:
+    """The stage search's plan of ``record`` (``stage_record``) made again for this step:
+    the step traced at its microbatch, each stage's tasks searched around the recorded
+    specs (seconds, where the stage search takes minutes). ``ValueError`` if the record
+    does not fit the step."""
+    micro, graph = MicroSteps(full, args, logical_axes).get(int(record["microbatches"]))
+    if [leaf.path for leaf in micro.leaves] != list(record["paths"]):
+        raise ValueError("the recorded stages are for a step with other inputs")
+    layered = LayeredStep(micro.jaxpr, int(record["layers"]), graph)
+    chosen = [[spec_from_json(spec) for spec in stage] for stage in record["specs"]]
+    plan = _plan_stages(full, mesh, options, (micro, layered), int(record["microbatches"]),
+                        list(record["starts"]), chosen, list(record["recompute"]),
+                        RegionCache())
+    plan.search = dict(record.get("search") or {})
     return plan

@@ -203,10 +203,13 @@ class PipelinePlan:
         if "region_searches" not in found:
             return ""
         seconds = sum(t for k, t in found.get("timings", {}).items() if k.startswith("stage_"))
+        loaded = f"; this plan made again from its record, {found['cache']}" if (
+            "cache" in found) else ""
         return (f"stage search: {found['candidates']} (stages, microbatches) candidates over "
                 f"{', '.join(map(str, found['stage_counts']))} stages, "
                 f"{found['region_searches']} intra-op solves "
-                f"({found['region_cache_hits']} answered by the cache), {seconds:.1f} s")
+                f"({found['region_cache_hits']} answered by the cache), {seconds:.1f} s"
+                + loaded)
 
     def _micro_rows(self) -> str:
         rows = {leaf.shape[0] for leaf in self.micro.leaves if leaf.kind == "batch" and leaf.shape}
