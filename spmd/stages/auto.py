@@ -9,11 +9,14 @@ fixes one instead), every layer is priced on a stage's submesh at that microbatc
 microbatches idle the pipeline less (``(p - 1) / (B + p - 1)``) and hold less per
 microbatch in flight, but shrink each microbatch's work, whose collectives and kernels do
 not shrink as fast; each count is a trace and a pricing of its own, so the counts stop
-rising for a ``p`` once one predicts no faster step than the one before. The best ``(p, B, cut)`` by predicted step time is then planned for real: a
-stage's inputs take the specs its layers' forward and backward searches chose for them
-(``_layer_specs``: a stage keeps one spec per leaf), and its tasks are searched again with
-those pinned, the update choosing the optimizer state's: the prediction the plan reports,
-and the sharding constraints its programs run under (``spmd.runtime.pipeline``).
+rising for a ``p`` once one predicts no faster step than the one before.
+
+The best ``(p, B, cut)`` by predicted step time is then planned for real: a stage's inputs
+take the specs its layers' forward and backward searches chose for them (``_layer_specs``:
+a stage keeps one spec per leaf), and its tasks are searched again with those pinned, the
+update choosing the optimizer state's: the prediction the plan reports, and the sharding
+constraints its programs run under (``spmd.runtime.pipeline``). ``stage_record`` and
+``replan_stages`` make that plan again from those choices, without the search.
 """
 
 from __future__ import annotations
