@@ -59,12 +59,22 @@ def run(compile_it: bool) -> dict[str, Any]:
     }
     if compile_it:
         start = time.perf_counter()
-        memory = spmd.analyze(prepare(plan).compile()).memory
+        report = spmd.analyze(prepare(plan).compile())
         out["compile_seconds"] = time.perf_counter() - start
+        memory = report.memory
         out["compiled"] = {"argument_bytes": memory.argument_bytes,
                            "temp_bytes": memory.temp_bytes,
-                           "total_bytes": memory.argument_bytes + memory.temp_bytes}
+                           "total_bytes": memory.argument_bytes + memory.temp_bytes,
+                           "collectives": {k: list(v) for k, v in report.collectives.items()}}
+        as_cpu = plan.priced_on("cpu")  # the same plan as XLA:CPU runs it: what compiled
+        out["as_cpu"] = None if as_cpu is None else as_cpu.to_dict()
     return out
+
+
+def _collectives(by_kind: dict[str, Any]) -> str:
+    """GB per device by collective kind, those the step has."""
+    return ", ".join(f"{kind} {nbytes / 1e9:.1f} GB" for kind, (count, nbytes) in by_kind.items()
+                     if count)
 
 
 def render(data: dict[str, Any]) -> str:
@@ -93,10 +103,22 @@ def render(data: dict[str, Any]) -> str:
                  ["predicted / compiled", f"{ratio:.2f} (target {1 - TARGET:.2f}-"
                                           f"{1 + TARGET:.2f})"],
                  ["compiled within the budget", "yes" if total <= budget else "no"]]
+        as_cpu = data.get("as_cpu")
+        if as_cpu:
+            rows += [["predicted as XLA:CPU runs the plan",
+                      f"{as_cpu['memory_bytes'] / gib:.2f} GiB, / compiled "
+                      f"{as_cpu['memory_bytes'] / total:.2f}; collectives "
+                      + _collectives(as_cpu["collectives"])],
+                     ["compiled collectives (XLA:CPU)", _collectives(compiled["collectives"])],
+                     ["predicted collectives (XLA:GPU)", _collectives(p["collectives"])]]
     notes = ["XLA:CPU stands in for XLA:GPU in the compile (no GPU was lent to this run). It "
-             "emits no reduce-scatter (a gradient is all-reduced whole, then sliced), so its "
-             "temporaries are not XLA:GPU's, and the prediction is for the GPU mesh; the "
-             "compile on a GPU was not run.", *data.get("memory_notes", [])]
+             "emits no reduce-scatter (a gradient is all-reduced whole, then sliced) and "
+             "combines a step's gradient reductions into a few all-reduces at its end, so its "
+             "temporaries are not XLA:GPU's, which reduce-scatters in groups of at most "
+             "30 MiB as the gradients are made. The prediction is for the GPU mesh; 'as XLA:CPU "
+             "runs the plan' prices the same shardings with XLA:CPU's collectives "
+             "(`Plan.priced_on`). The compile on a GPU was not run.",
+             *data.get("memory_notes", [])]
     probes = [[q["remat"], q.get("offload", "none"), "yes" if q["fits"] else "no",
                "" if q["peak_bytes"] is None else f"{q['peak_bytes'] / gib:.2f}",
                f"{q['seconds']:.0f}"] for q in data["probes"] or []]

@@ -56,6 +56,9 @@ class Plan:
     #: (signature, ClosedJaxpr) of ``program()`` once built: the planner hands over the
     #: rewritten step it searched, so a fresh plan does not rewrite it again
     _program: Any = dataclasses.field(default=None, repr=False, compare=False)
+    #: (IntraOp, AutoResult) the search answered with, while this process holds them:
+    #: what ``priced_on`` prices again (a plan loaded from JSON has none)
+    _searched: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     # -- shardings -----------------------------------------------------------------------------
     def input_shardings_flat(self) -> list:
@@ -121,6 +124,19 @@ class Plan:
         return any(p is not None and p.active for p in (self.remat, self.offload))
 
     # -- numbers -------------------------------------------------------------------------------
+    def priced_on(self, platform: str) -> Prediction | None:
+        """This plan as ``platform``'s XLA would run it on the same cluster: its mesh's
+        shape and figures, that platform's collectives (XLA:CPU all-reduces and slices what
+        XLA:GPU reduce-scatters, and combines a step's reductions into one). How a plan for
+        a GPU mesh compiled on simulated CPU devices is read; None for a plan not searched
+        in this process (loaded from the cache)."""
+        if self._searched is None:
+            return None
+        job, result = self._searched
+        if platform == self.mesh.platform:
+            return result.prediction
+        return job.price_on(result, dataclasses.replace(self.mesh, platform=platform))
+
     def bytes_by_kind(self) -> dict[str, int]:
         """Per-device bytes of the step's inputs under this plan, by kind."""
         totals: dict[str, int] = {}

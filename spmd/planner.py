@@ -171,6 +171,7 @@ def plan_auto(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions,
     planned = Plan(method="auto", mesh=mesh, leaves=sig.leaves, input_specs=result.input_specs,
                    output_specs=list(result.output_specs), prediction=result.prediction,
                    search=stats, constraints=dict(result.constraints), alternatives=scores,
-                   remat=remat, offload=moved, signature=sig, _program=program)
+                   remat=remat, offload=moved, signature=sig, _program=program,
+                   _searched=(base_job if kept_manual else job, result))
     cache.save(planned, path)
     return planned

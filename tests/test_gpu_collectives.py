@@ -114,3 +114,22 @@ def test_promoted_bf16_all_reduce_counts_at_bf16():
         assert (predicted.kind, predicted.bytes) == (kind, 4 * 16 * 2)
         assert gpu.collectives[kind] == (1, 4 * 16 * 2)
         assert report.gpu.promoted == 1
+
+
+def test_a_gpu_plan_priced_as_xla_cpu_compiles_it():
+    """An auto plan for 8 A100s priced again with XLA:CPU's collectives (its matmuls'
+    reduce-scatters become all-reduces whose readers slice) predicts the bytes the compile
+    on 8 CPU devices emits, kind by kind, where the GPU prediction has reduce-scatters."""
+    spec = zoo.get("gpt-tiny").with_config(d_model=1024, head_dim=64, d_ff=4096, num_layers=2,
+                                           seq_len=512)
+    args = (*nnx.eval_shape(spec.training_state), jax.eval_shape(lambda: spec.batch(8, 0)))
+    mesh = spmd.load_mesh("a100-8", virtual=True)
+    plan = spmd.plan(spec.train_step, *args, mesh=mesh,
+                     options=spmd.SearchOptions(cache=False, time_limit=3))
+    assert plan.priced_on("gpu") is plan.prediction
+    assert plan.prediction.collectives["reduce-scatter"][0] > 0
+    cpu = plan.priced_on("cpu")
+    assert cpu.collectives["reduce-scatter"] == (0, 0.0)
+    compiled = spmd.analyze(prepare(plan).compile()).collectives
+    for kind, (_, nbytes) in compiled.items():
+        assert cpu.collectives[kind][1] == pytest.approx(nbytes, rel=0.01), (kind, cpu, compiled)

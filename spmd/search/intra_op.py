@@ -132,6 +132,17 @@ class IntraOp:
         enc = self.encoder.encode([tuple(tuple(a) for a in s) for s in pins])
         return self._solve(enc, None, time_limit, solver, None, start, constrain=False)
 
+    def price_on(self, result: AutoResult, mesh: DeviceMesh) -> Prediction:
+        """``result`` (an answer on this graph) priced on ``mesh``: another mesh of the same
+        shape, e.g. this cluster as another platform's XLA compiles it (XLA:CPU, where a
+        virtual GPU plan is compile-checked). Each node keeps its own strategy."""
+        inputs = [dataclasses.replace(i, pinned=spec)
+                  for i, spec in zip(self.inputs, result.input_specs)]
+        other = IntraOp(self.graph, inputs, mesh, output_aliases=self.cost_graph.aliases,
+                        share_layers=False)
+        enc = other.encoder.encode([i.pinned for i in inputs])
+        return predict(enc, enc.node_choice(_warm_choice(enc, result.node_strategies)))
+
     def constraints(self, result: AutoResult) -> dict[str, Spec]:
         """The sharding constraints of a result on this graph (a scoring leaves them out:
         only a kept hand-written plan needs them)."""
@@ -206,10 +217,17 @@ def _warm_choice(enc: Encoding, chosen: Sequence[_rules.Strategy]) -> list[int]:
         if s.name in names:
             warm.append(names.index(s.name))
             continue
-        # Not among the search's candidates (e.g. a small input it keeps replicated): the
-        # candidate producing the same specs, or the first; the solver's local search
-        # repairs what that breaks.
-        same = [k for k, t in enumerate(enc.strats[r]) if t.out_specs == s.out_specs]
+        # Not among the search's candidates (e.g. a small input it keeps replicated), or
+        # one of another platform's (XLA:GPU's reduce-scatter variant of a matmul is, on
+        # XLA:CPU, the all-reduce of the same operands, sliced by its readers): the
+        # candidate producing the same specs from the same ones, else reading the same,
+        # else producing the same, else the first; the solver's local search repairs what
+        # that breaks.
+        strats = enc.strats[r]
+        same = ([k for k, t in enumerate(strats)
+                 if t.out_specs == s.out_specs and t.in_specs == s.in_specs]
+                or [k for k, t in enumerate(strats) if t.in_specs == s.in_specs and t.in_specs]
+                or [k for k, t in enumerate(strats) if t.out_specs == s.out_specs])
         warm.append(same[0] if same else 0)
     # Tied nodes must agree with their representative.
     for i, rep in enumerate(enc.same_as):
