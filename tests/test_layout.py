@@ -27,7 +27,8 @@ LAYERS = [
     {"spmd.stages.split", "spmd.stages.schedule", "spmd.stages.price",
      "spmd.stages.dp"},  # the inter-op level
     {"spmd.plan", "spmd.explain", "spmd.logical", "spmd.manual", "spmd.stages.plan"},
-    {"spmd.planner", "spmd.cache", "spmd.stages.manual", "spmd.stages.auto"},
+    {"spmd.planner", "spmd.cache", "spmd.stages.manual", "spmd.stages.auto",
+     "spmd.stages.levels"},
     {"spmd.runtime.constrain", "spmd.runtime.compile", "spmd.runtime.nodes",
      "spmd.runtime.pipeline", "spmd.runtime.transfer"},
     {"spmd.analysis.hlo", "spmd.analysis.reconcile", "spmd.analysis.report", "spmd.data"},
