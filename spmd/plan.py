@@ -56,8 +56,8 @@ class Plan:
     #: (signature, ClosedJaxpr) of ``program()`` once built: the planner hands over the
     #: rewritten step it searched, so a fresh plan does not rewrite it again
     _program: Any = dataclasses.field(default=None, repr=False, compare=False)
-    #: (IntraOp, AutoResult) the search answered with, while this process holds them:
-    #: what ``priced_on`` prices again (a plan loaded from JSON has none)
+    #: ``spmd.search.intra_op.Searched``: the answer and the graph it was found on, what
+    #: ``priced_on`` prices again (a plan loaded from JSON has none)
     _searched: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     # -- shardings -----------------------------------------------------------------------------
@@ -132,10 +132,9 @@ class Plan:
         in this process (loaded from the cache)."""
         if self._searched is None:
             return None
-        job, result = self._searched
         if platform == self.mesh.platform:
-            return result.prediction
-        return job.price_on(result, dataclasses.replace(self.mesh, platform=platform))
+            return self._searched.result.prediction
+        return self._searched.price_on(dataclasses.replace(self.mesh, platform=platform))
 
     def bytes_by_kind(self) -> dict[str, int]:
         """Per-device bytes of the step's inputs under this plan, by kind."""

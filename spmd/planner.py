@@ -23,7 +23,7 @@ from spmd.logical import user_pins
 from spmd.manual import DOES_NOT_APPLY, applicable_methods, manual_specs
 from spmd.options import SearchOptions
 from spmd.plan import Plan
-from spmd.search.intra_op import AutoResult, InputInfo, IntraOp, score_result
+from spmd.search.intra_op import AutoResult, InputInfo, IntraOp, Searched, score_result
 from spmd.search.memory_fit import fit_memory, search_under
 from spmd.sharding import Spec
 from spmd.timing import Stopwatch
@@ -172,6 +172,6 @@ def plan_auto(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions,
                    output_specs=list(result.output_specs), prediction=result.prediction,
                    search=stats, constraints=dict(result.constraints), alternatives=scores,
                    remat=remat, offload=moved, signature=sig, _program=program,
-                   _searched=(base_job if kept_manual else job, result))
+                   _searched=Searched.of(base_job if kept_manual else job, result))
     cache.save(planned, path)
     return planned

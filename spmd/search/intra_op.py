@@ -32,7 +32,8 @@ from spmd.solver import SolverRequest, SolverResult, solve
 from spmd.timing import Stopwatch
 from spmd.trace.graph import Graph, Value, build_graph, operand_key, value_key
 
-__all__ = ["AutoResult", "InputInfo", "IntraOp", "Prediction", "score", "score_result", "search"]
+__all__ = ["AutoResult", "InputInfo", "IntraOp", "Prediction", "Searched", "score", "score_result",
+           "search"]
 
 @dataclasses.dataclass
 class AutoResult:
@@ -132,17 +133,6 @@ class IntraOp:
         enc = self.encoder.encode([tuple(tuple(a) for a in s) for s in pins])
         return self._solve(enc, None, time_limit, solver, None, start, constrain=False)
 
-    def price_on(self, result: AutoResult, mesh: DeviceMesh) -> Prediction:
-        """``result`` (an answer on this graph) priced on ``mesh``: another mesh of the same
-        shape, e.g. this cluster as another platform's XLA compiles it (XLA:CPU, where a
-        virtual GPU plan is compile-checked). Each node keeps its own strategy."""
-        inputs = [dataclasses.replace(i, pinned=spec)
-                  for i, spec in zip(self.inputs, result.input_specs)]
-        other = IntraOp(self.graph, inputs, mesh, output_aliases=self.cost_graph.aliases,
-                        share_layers=False)
-        enc = other.encoder.encode([i.pinned for i in inputs])
-        return predict(enc, enc.node_choice(_warm_choice(enc, result.node_strategies)))
-
     def constraints(self, result: AutoResult) -> dict[str, Spec]:
         """The sharding constraints of a result on this graph (a scoring leaves them out:
         only a kept hand-written plan needs them)."""
@@ -205,6 +195,33 @@ def _constraints(g: Graph, chosen: Sequence[_rules.Strategy]) -> dict[str, Spec]
                     and chosen[v.node].out_specs[v.index] != s.in_specs[i]):
                 out[operand_key(n.path, i)] = s.in_specs[i]
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Searched:
+    """What an answer was found on, kept so it can be priced again elsewhere
+    (``price_on``): the op graph, its inputs and output aliases, and the answer (not the
+    cost graph, which is large and rebuilt for the other mesh)."""
+
+    graph: Graph
+    inputs: list[InputInfo]
+    output_aliases: dict[int, int]
+    result: AutoResult
+
+    @classmethod
+    def of(cls, job: IntraOp, result: AutoResult) -> "Searched":
+        return cls(job.graph, job.inputs, dict(job.cost_graph.aliases), result)
+
+    def price_on(self, mesh: DeviceMesh) -> Prediction:
+        """The answer priced on ``mesh``: another mesh of the same shape, e.g. this cluster
+        as another platform's XLA compiles it (XLA:CPU, where a virtual GPU plan is
+        compile-checked). Each node keeps its own strategy."""
+        inputs = [dataclasses.replace(i, pinned=spec)
+                  for i, spec in zip(self.inputs, self.result.input_specs)]
+        other = IntraOp(self.graph, inputs, mesh, output_aliases=self.output_aliases,
+                        share_layers=False)
+        enc = other.encoder.encode([i.pinned for i in inputs])
+        return predict(enc, enc.node_choice(_warm_choice(enc, self.result.node_strategies)))
 
 
 def _warm_choice(enc: Encoding, chosen: Sequence[_rules.Strategy]) -> list[int]:
