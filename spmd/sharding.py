@@ -120,6 +120,12 @@ def spread(spec: Spec, shape: Sequence[int], mesh_shape: Mapping[str, int]) -> S
     return tuple(tuple(d) for d in dims)
 
 
+def spread_bytes(shape: Sequence[int], dtype, spec: Spec, mesh_shape: Mapping[str, int]) -> int:
+    """Bytes each device sends of a copy between pipeline stages of an array in ``spec``:
+    its piece under ``spread`` (no two devices send the same bytes)."""
+    return bytes_per_device(shape, dtype, spread(spec, shape, mesh_shape), mesh_shape)
+
+
 def format_spec(spec: Spec) -> str:
     """Readable form for plans: ``S(data)R`` style would hide axis names, so print P-like text.
 

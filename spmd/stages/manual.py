@@ -31,9 +31,9 @@ from spmd.options import SearchOptions
 from spmd.search.costgraph import InputInfo
 from spmd.search.regions import RegionCache
 from spmd.stages.plan import PipelinePlan, StagePlan, predict
-from spmd.stages.price import price_stage
+from spmd.stages.price import link_time, price_stage
 from spmd.stages.schedule import schedule
-from spmd.sharding import Spec, bytes_per_device, replicated, spread
+from spmd.sharding import Spec, replicated, spread_bytes
 from spmd.stages.split import UPDATE, LayeredStep, StageSplit
 from spmd.trace.graph import Graph, build_graph
 from spmd.trace.signature import Leaf, StepSignature
@@ -214,6 +214,5 @@ def shared_copy_time(split: StageSplit, leaves: Sequence[Leaf], specs: Sequence[
             copies += [(1, graph.value_shape(v), graph.value_dtype(v), replicated(
                 len(graph.value_shape(v)))) for v in t.region.inputs
                 if v in accumulated and split.stage_of[v.node] != t.stage]
-    return sum(count * (bytes_per_device(shape, dtype, spread(spec, shape, mesh.shape),
-                                         mesh.shape) / link.bandwidth + link.latency)
+    return sum(count * link_time(spread_bytes(shape, dtype, spec, mesh.shape), link)
                for count, shape, dtype, spec in copies)

@@ -38,7 +38,7 @@ from spmd.errors import PlanError
 from spmd.options import SearchOptions
 from spmd.search.costgraph import InputInfo
 from spmd.search.regions import RegionCache, RegionPlan, search_region, step_input_specs
-from spmd.sharding import bytes_per_device, spread
+from spmd.sharding import bytes_per_device, spread_bytes
 from spmd.stages.split import BACKWARD, FORWARD, UPDATE, LayeredStep
 from spmd.trace.graph import Value
 from spmd.trace.regions import Region
@@ -186,9 +186,8 @@ def price_stage(layered: LayeredStep, start: int, stop: int, mesh: DeviceMesh, *
 
     def sent_size(v: Value, p: str) -> int:  # in the pieces a copy to another stage sends
         shape = graph.value_shape(v)
-        spec = specs[p, True].get(v) or ((),) * len(shape)
-        return bytes_per_device(shape, graph.value_dtype(v), spread(spec, shape, mesh.shape),
-                                mesh.shape)
+        return spread_bytes(shape, graph.value_dtype(v),
+                            specs[p, True].get(v) or ((),) * len(shape), mesh.shape)
 
     seconds, sent = {FORWARD: 0.0, BACKWARD: 0.0}, {FORWARD: 0.0, BACKWARD: 0.0}
     for p in (FORWARD, BACKWARD):
