@@ -233,16 +233,16 @@ def _layer_specs(layered: LayeredStep, per_layer: Sequence[StageCost], start: in
     return specs
 
 
-def _input_specs(cost: StageCost, chosen: Sequence[Spec | None],
-                 leaves: Sequence[Leaf]) -> list[Spec]:
-    """Every step input's spec on a stage: ``chosen``, else as the stage's tasks read it
-    (the update: the optimizer state), else replicated (a leaf the stage does not read)."""
+def _input_specs(layered: LayeredStep, start: int, stop: int, cost: StageCost,
+                 chosen: Sequence[Spec | None], leaves: Sequence[Leaf]) -> list[Spec]:
+    """Every step input's spec on the stage of layers ``start`` to ``stop - 1``:
+    ``chosen``, else as the stage's tasks read it (the update: the optimizer state), else
+    replicated (a leaf the stage does not read)."""
     specs = list(chosen)
-    index = {leaf.path: k for k, leaf in enumerate(leaves)}
-    for plan in cost.plans.values():
-        for info, spec in zip(plan.inputs, plan.result.input_specs):
-            k = index.get(info.path)
-            if k is not None and specs[k] is None:
+    regions = layered.regions(start, stop, cost.recompute)
+    for phase, plan in cost.plans.items():
+        for k, spec in step_input_specs(regions[phase], plan).items():
+            if specs[k] is None:
                 specs[k] = spec
     return [spec if spec is not None else replicated(len(leaf.shape))
             for spec, leaf in zip(specs, leaves)]
@@ -293,7 +293,8 @@ def _plan_stages(full: StepSignature, mesh: DeviceMesh, options: SearchOptions,
         if not cost.recompute and cost.memory(sched.in_flight(s)) > budget:
             cost = priced(True)
         stages.append(StagePlan(bounds[s], bounds[s + 1], sub, "auto",
-                                _input_specs(cost, chosen[s], micro.leaves), cost))
+                                _input_specs(layered, bounds[s], bounds[s + 1], cost, chosen[s],
+                                             micro.leaves), cost))
     split = layered.split(list(starts), [st.cost.recompute for st in stages])
     plan = PipelinePlan("auto", mesh, full.leaves, layered.num_layers, stages, sched, split,
                         full, micro)
