@@ -62,6 +62,9 @@ def _size(num_layers: int, d_model: int, num_heads: int) -> Config:
 # (Narayanan et al. 2021) and Alpa (Zheng et al. OSDI'22, Table 4): layers, d_model, heads.
 SIZES: dict[str, Config] = {
     "tiny": Config(),
+    # gpt-tiny's blocks stacked and scanned, four of them: a pipeline of 2 stages x 2
+    # repeats (the SPMD runtime's circular schedule) splits the stack
+    "tiny-scan": Config(num_layers=4, scan_layers=True),
     "125m": _size(12, 768, 12),
     "350m": _size(24, 1024, 16),
     "760m": _size(24, 1536, 16),
@@ -75,6 +78,7 @@ SIZES: dict[str, Config] = {
 # of activations per 8 devices without remat at seq 1024.
 DEFAULT_BATCH_SIZES: dict[str, int] = {
     "tiny": 8,
+    "tiny-scan": 8,
     "125m": 32,
     "350m": 32,
     "760m": 16,

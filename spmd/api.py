@@ -18,6 +18,7 @@ from spmd.plan import Plan
 from spmd.planner import score_manual, step_inputs
 from spmd.runtime.compile import Executable, prepare
 from spmd.runtime.pipeline import PipelineExecutable
+from spmd.runtime.stacked import StackedExecutable
 from spmd.runtime.transfer import absent, holds
 from spmd.runtime.nodes import NodeStateCache, StateRead
 from spmd.sharding import Spec, replicated
@@ -77,7 +78,10 @@ def plan(step_fn: Callable, *example_args: Any, mesh: DeviceMesh, method: str = 
 
 def _runnable(p: Plan | PipelinePlan, donate: bool | None) -> Any:
     """The executable of a plan: one jitted program, or a pipeline of them."""
-    return PipelineExecutable(p, donate) if isinstance(p, PipelinePlan) else prepare(p, donate)
+    if isinstance(p, PipelinePlan):
+        return (StackedExecutable(p, donate) if p.runtime == "spmd"
+                else PipelineExecutable(p, donate))
+    return prepare(p, donate)
 
 
 def plan_manual(sig: StepSignature, mesh: DeviceMesh, method: str,

@@ -137,6 +137,7 @@ class SolverOptions:
 
 #: the pipeline schedules ``spmd.stages.schedule`` runs
 SCHEDULE_NAMES = ("gpipe", "1f1b")
+RUNTIME_NAMES = ("auto", "spmd", "mpmd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +156,14 @@ class PipelineOptions:
       layers: how many layers the step's forward pass is cut into (stages hold contiguous
         ranges of them); None: as many as a hand-written plan has stages, or for auto 8
         (``spmd.stages.auto.MAX_LAYERS``).
+      runtime: how a hand-written pipeline runs. ``"spmd"``: one program on the whole
+        mesh, the step's scanned layer stack spread over the stage axis, microbatches moved
+        by collective-permute (``spmd.runtime.stacked``; the step must scan its layers);
+        ``"mpmd"``: one program per stage and phase, driven from the host (any step; a
+        scan stays whole in one stage); ``"auto"``: SPMD where the step scans a stack its
+        stages can share equally, else MPMD.
+      repeats: chunks of the stack per stage, the circular schedule (SPMD only): the
+        bubble falls to ``(p - 1) / (repeats m + p - 1)``; needs ``m >= p`` microbatches.
     """
 
     stage_axis: str = "stage"
@@ -163,9 +172,13 @@ class PipelineOptions:
     min_stages: int = 1
     max_stages: int | None = None
     layers: int | None = None
+    runtime: str = "auto"
+    repeats: int = 1
 
     def __post_init__(self) -> None:
         own = "PipelineOptions"
+        _check(own, "runtime", self.runtime, self.runtime in RUNTIME_NAMES,
+               f"one of {', '.join(RUNTIME_NAMES)}")
         _check(own, "stage_axis", self.stage_axis, isinstance(self.stage_axis, str)
                and bool(self.stage_axis), "a mesh axis name")
         _check(own, "schedule", self.schedule, self.schedule in SCHEDULE_NAMES,
@@ -173,6 +186,10 @@ class PipelineOptions:
         def count(value: Any) -> bool:
             return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
+        _check(own, "repeats", self.repeats, count(self.repeats), "a whole number >= 1")
+        if self.repeats > 1 and self.runtime == "mpmd":
+            raise OptionsError(f"PipelineOptions.repeats={self.repeats} (the circular "
+                               f"schedule) needs runtime 'spmd' or 'auto', not 'mpmd'")
         for name in ("microbatches", "max_stages", "layers"):
             value = getattr(self, name)
             _check(own, name, value, value is None or count(value), "a whole number >= 1 or None")

@@ -19,8 +19,8 @@ from spmd import zoo
 from spmd.zoo import moe
 
 TINY = [n for n in zoo.names() if n.endswith("-tiny")]
-# Config variants whose names and optimizer state are checked like the registered models'.
-VARIANTS = {"gpt-tiny-scan": zoo.get("gpt-tiny").with_config(scan_layers=True)}
+# the tiny models, and the scanned GPT whose names and optimizer state are checked too
+CHECKED = [*TINY, "gpt-tiny-scan"]
 LOGICAL_NAMES = {
     "embed", "mlp", "heads", "kv", "vocab", "pos", "expert", "conv_in", "conv_out", "classes",
     "layers",
@@ -37,15 +37,10 @@ GPT_NOMINAL = {
 }
 
 
-def _spec(name: str) -> zoo.ModelSpec:
-    """A registered model or one of `VARIANTS`."""
-    return VARIANTS[name] if name in VARIANTS else zoo.get(name)
-
-
 @functools.lru_cache(maxsize=None)
 def _abstract(name: str) -> nnx.Module:
     """The abstract model of a registered name or variant, built once per test session."""
-    return _spec(name).abstract_model()
+    return zoo.get(name).abstract_model()
 
 
 def _flat(state: nnx.State) -> dict[tuple, nnx.Variable]:
@@ -142,7 +137,7 @@ def test_with_config_overrides_and_validates():
 # --- logical names --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", [*TINY, *VARIANTS])
+@pytest.mark.parametrize("name", CHECKED)
 def test_every_variable_has_logical_names(name):
     state = nnx.state(_abstract(name))
     specs = _specs(state)
@@ -154,9 +149,9 @@ def test_every_variable_has_logical_names(name):
         assert isinstance(var, (nnx.Param, nnx.BatchStat)), (path, type(var))
 
 
-@pytest.mark.parametrize("name", [*TINY, *VARIANTS])
+@pytest.mark.parametrize("name", CHECKED)
 def test_optimizer_state_carries_param_names(name):
-    spec = _spec(name)
+    spec = zoo.get(name)
     model, opt = nnx.eval_shape(lambda: _model_and_optimizer(spec))
     param_specs = _specs(nnx.state(model, nnx.Param))
     opt_specs = _specs(nnx.state(opt))
@@ -217,7 +212,7 @@ def test_create_is_pure_and_jittable():
 
 
 def test_models_store_no_rngs():
-    for name in [*TINY, *VARIANTS]:
+    for name in CHECKED:
         state = nnx.state(_abstract(name))
         assert all(isinstance(v, (nnx.Param, nnx.BatchStat)) for v in _flat(state).values()), name
 

@@ -33,6 +33,7 @@ from spmd.search.regions import RegionCache
 from spmd.stages.plan import PipelinePlan, StagePlan, predict
 from spmd.stages.price import link_time, price_stage
 from spmd.stages.schedule import schedule
+from spmd.stages.stacked import check_runtime, plan_stacked_pipeline
 from spmd.sharding import Spec, replicated, spread_bytes
 from spmd.stages.split import UPDATE, LayeredStep, StageSplit
 from spmd.trace.graph import Graph, build_graph
@@ -155,14 +156,19 @@ def plan_manual_pipeline(full: StepSignature, args: Sequence[Any], mesh: DeviceM
         raise PlanError(f"{err} (method {method!r} runs {intra!r} inside each stage on "
                         f"microbatches of 1/{m} of the batch; PipelineOptions.microbatches "
                         f"sets how many)") from None
+    cache = cache if cache is not None else RegionCache()
+    priced = options.compare or options.memory_budget is not None  # as plan_manual scores
+    stack = check_runtime(layered, p, options)
+    if stack is not None:
+        return plan_stacked_pipeline(full, micro, layered, stack, mesh, meshes, method, intra,
+                                     specs, microbatches=m, options=options, priced=priced,
+                                     cache=cache)
     inputs = [InputInfo(leaf.path, leaf.shape, leaf.dtype, leaf.kind, spec)
               for leaf, spec in zip(micro.leaves, specs)]
-    cache = cache if cache is not None else RegionCache()
     # every step input is pinned: each stage's search is a scoring, and is timed like one
     scoring = dataclasses.replace(options, time_limit=options.scoring()[0])
     link = mesh.link(pipe.stage_axis) if p > 1 else None
     bounds = starts + [layers]
-    priced = options.compare or options.memory_budget is not None  # as plan_manual scores
     budget = mesh.device.memory_bytes if options.memory_budget is None else options.memory_budget
     sched = schedule(pipe.schedule, p, m)
     stages = []

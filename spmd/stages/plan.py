@@ -51,6 +51,9 @@ class PipelinePrediction:
     memory_bytes: float          # the most any stage's device needs
     stage_memory: tuple[float, ...]
     comm_time: float             # the stages' collectives and sends on the busiest stage
+    #: the SPMD runtime's moves between stages: (what moves, bytes each device sends each
+    #: time, times per step); one collective-permute each
+    transfers: tuple[tuple[str, float, int], ...] = ()
 
     @property
     def total_time(self) -> float:
@@ -79,7 +82,10 @@ def predict(costs: Sequence[StageCost], sched: Schedule, copy_time: float = 0.0
 @dataclasses.dataclass
 class PipelinePlan:
     """A pipelined step on ``mesh``: ``stages`` over the layers of ``split``, ``microbatches``
-    per step in ``schedule``'s order, run by the MPMD runtime (``spmd.runtime.pipeline``).
+    per step in ``schedule``'s order, run by the MPMD runtime (``spmd.runtime.pipeline``);
+    or (``runtime == "spmd"``) over the layers of the step's scanned stack, ``repeats``
+    chunks per stage, run as one program (``spmd.runtime.stacked``) with every leaf in its
+    spec on the whole mesh (``specs``), and no ``split``.
 
     ``signature`` is the step at its whole batch (what the user calls), ``micro`` the step
     at one microbatch (what the stages run).
@@ -91,7 +97,7 @@ class PipelinePlan:
     num_layers: int
     stages: list[StagePlan]
     schedule: Schedule
-    split: StageSplit
+    split: StageSplit | None
     signature: StepSignature = dataclasses.field(repr=False)
     micro: StepSignature = dataclasses.field(repr=False)
     prediction: PipelinePrediction | None = None
@@ -101,6 +107,12 @@ class PipelinePlan:
                         "across several")
     alternatives: dict[str, Any] = dataclasses.field(default_factory=dict)
     search: dict | None = None
+    repeats: int = 1
+    specs: list[Spec] | None = None
+    stage_axis: str = "stage"
+    #: the SPMD runtime's loops: per stack ("forward", "backward"), the specs its intra-op
+    #: plan on one stage gives the scan's operands and results
+    stack_specs: dict[str, tuple[list, list]] | None = None
 
     @property
     def microbatches(self) -> int:
@@ -118,6 +130,9 @@ class PipelinePlan:
         builds the state and ``shard_batch`` puts the batch."""
         from jax.sharding import NamedSharding
 
+        if self.runtime == "spmd":
+            whole = self.mesh.sharding_mesh()
+            return [NamedSharding(whole, to_partition_spec(spec)) for spec in self.specs]
         return [NamedSharding(self.stages[h].mesh.sharding_mesh(),
                               to_partition_spec(self.stages[h].input_specs[i]))
                 for i, h in enumerate(self.homes())]
@@ -132,7 +147,10 @@ class PipelinePlan:
             "mesh": {"name": self.mesh.name, "shape": self.mesh.shape,
                      "device": self.mesh.device.name},
             "layers": self.num_layers, "microbatches": self.microbatches,
-            "schedule": self.schedule.name,
+            "schedule": self.schedule_name, "repeats": self.repeats,
+            **({"specs": {leaf.path: spec_to_json(spec)
+                          for leaf, spec in zip(self.leaves, self.specs)}}
+               if self.specs is not None else {}),
             "stages": [{"layers": [st.start, st.stop], "devices": list(st.mesh.device_ids or ()),
                         "shape": st.mesh.shape, "method": st.method,
                         "specs": {leaf.path: spec_to_json(spec)
@@ -160,8 +178,9 @@ class PipelinePlan:
         out = io.StringIO()
         p, m = len(self.stages), self.microbatches
         out.write(f"pipeline plan: method={self.method}  {self.mesh.describe()}\n")
-        out.write(f"{p} stages over {self.num_layers} layers, {m} microbatches of "
-                  f"{self._micro_rows()} rows, schedule {self.schedule.name}; runtime "
+        over = "layers of the scanned stack" if self.runtime == "spmd" else "layers"
+        out.write(f"{p} stages over {self.num_layers} {over}, {m} microbatches of "
+                  f"{self._micro_rows()} rows, schedule {self.schedule_name}; runtime "
                   f"{self.why_runtime}\n")
         out.write(f"{'stage':>5}  {'layers':>7}  {'devices':<28} {'plan':<8} "
                   f"{'fwd ms':>8} {'bwd ms':>8} {'update ms':>9} {'held':>4} {'GiB':>7} "
@@ -173,6 +192,9 @@ class PipelinePlan:
                      f"{c.memory(self.schedule.in_flight(s)) / 2**30:7.3f} "
                      f"{c.sent / 1e6:8.2f}  {'yes' if c.recompute else 'no'}"
                      ) if c is not None else "(not priced)"
+            if self.runtime == "spmd":  # one row for all stages: they are alike
+                out.write(self._stacked_row(st, s))
+                continue
             out.write(f"{s:5d}  {st.start:>3}-{st.stop - 1:<3}  {_devices(st.mesh):<28} "
                       f"{st.method:<8} {cells}\n")
         if any(st.cost is not None and st.cost.recompute for st in self.stages):
@@ -181,9 +203,10 @@ class PipelinePlan:
                       "not fit its memory otherwise)\n")
         pred = self.prediction
         if pred is not None:
+            formula = ("(p-1)/(v m+p-1)" if self.repeats > 1 else "(p-1)/(m+p-1)")
             out.write(f"predicted step {pred.total_time * 1e3:.3f} ms: schedule "
                       f"{pred.span * 1e3:.3f} ms (bubble {pred.bubble_fraction:.1%}; "
-                      f"(p-1)/(m+p-1) = {bubble_formula(p, m):.1%}), update "
+                      f"{formula} = {bubble_formula(p, m * self.repeats):.1%}), update "
                       f"{pred.update_time * 1e3:.3f} ms, copies {pred.copy_time * 1e3:.3f} ms; "
                       f"peak memory {pred.memory_bytes / 2**30:.3f} GiB per device\n")
         found = self.search_summary()
@@ -196,6 +219,20 @@ class PipelinePlan:
                 out.write(f"  {name}: predicted {other.total_time * 1e3:.3f} ms, "
                           f"{other.memory_bytes / 2**30:.3f} GiB per device\n")
         return out.getvalue()
+
+    @property
+    def schedule_name(self) -> str:
+        """The schedule the runtime runs: the SPMD runtime's is GPipe, or circular."""
+        if self.runtime != "spmd":
+            return self.schedule.name
+        return f"circular ({self.repeats} repeats)" if self.repeats > 1 else "gpipe"
+
+    def _stacked_row(self, st: StagePlan, s: int) -> str:
+        """A stage of the SPMD runtime: the stack's layers it runs, its devices, its plan."""
+        p, width = len(self.stages), st.stop - st.start
+        chunks = ", ".join(f"{st.start + r * p * width}-{st.stop - 1 + r * p * width}"
+                           for r in range(self.repeats))
+        return f"{s:5d}  {chunks:>7}  {_devices(st.mesh):<28} {st.method:<8}\n"
 
     def search_summary(self) -> str:
         """How the stage search went, in a line ("" for a plan not searched)."""

@@ -1,0 +1,551 @@
+"""The SPMD pipeline runtime: a step whose layers are one scanned stack (``nnx.scan``,
+``lax.scan`` over stacked parameters) runs as one jitted program on the whole mesh, the
+stack's layers spread over the ``stage`` axis and the microbatches flowing between stages by
+collective-permute. This is MaxText's pipeline, made from the user's step as written: the
+step's own forward and backward scans over the stack are each replaced by a loop over
+microbatch ticks, so no model code changes.
+
+The step is traced at one microbatch (as for the MPMD runtime, ``spmd.runtime.pipeline``).
+Its op graph falls into
+
+- ``before``: the microbatch ops that need neither layer scan (the embedding, masks);
+- the **forward stack**: the forward scan over the ``L`` layers;
+- ``between``: what reads the forward stack's results but not the backward one's (the
+  logits, the loss, their gradients);
+- the **backward stack**: the backward scan over the layers (``reverse``);
+- ``after``: what reads the backward stack's results (the embedding's gradient);
+- ``update``: the rest, once per step (the optimizer).
+
+``before``, ``between`` and ``after`` run once for all microbatches, vmapped over a leading
+microbatch axis. Each stack runs as a pipeline: layer ``l`` belongs to chunk
+``l // (L / (p v))`` and chunk ``c`` to stage ``c % p`` (``v`` repeats: the circular
+schedule; ``v = 1``: GPipe). At tick ``t`` the stage at position ``q`` along the flow (the
+first stage for the forward stack, the last for the backward one) works on step
+``k = t - q`` of its queue: microbatch ``k % m`` in repeat ``k // m``. All stages run the
+same chunk program at once, vmapped over a leading stage axis that the mesh's ``stage``
+axis shards, so each device runs only its own stage; then every stage's carry moves one
+stage along the flow (a collective-permute). ``m v + p - 1`` ticks; the idle ticks compute on
+clamped indices and their results are dropped. With ``v > 1`` the first stage keeps what
+comes back around the ring until its microbatch's next repeat (``m >= p`` needed).
+
+The stack's per-layer values keep a stage layout, ``[p, v, L / (p v), ...]`` (per
+microbatch ``[p, m, v, L / (p v), ...]``): the forward stack's saved values stay on the
+stage that made them for the backward stack, and the parameters' gradients are summed over
+the microbatches on the stage that holds the layer.
+
+The update reads the microbatch phase's values averaged over the microbatches (exact for a
+mean loss, as in the MPMD runtime). Microbatch ``j`` is rows ``j, j + m, j + 2m, ...`` of
+the batch: each data-parallel device keeps its own rows, with no exchange.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import jaxpr_as_fun
+from jax.sharding import NamedSharding, PartitionSpec
+
+from spmd.errors import PlanError
+from spmd.runtime.compile import placed
+from spmd.sharding import Spec, to_partition_spec
+from spmd.trace.graph import Graph, Scan, Value
+from spmd.trace.regions import Region
+
+__all__ = ["LayerStack", "StackedExecutable", "StackedPipeline", "find_stack", "stacked_leaves"]
+
+# how a value is held inside the program
+SHARED = "shared"        # one value for all microbatches, as the step has it
+MICRO = "micro"          # [m, ...]: one per microbatch
+STAGED = "staged"        # [p, v, Lc, ...]: a per-layer value in stage layout
+STAGED_MICRO = "staged micro"  # [p, m, v, Lc, ...]
+STAGED_SUM = "staged sum"      # [p, v, Lc, ...] summed over microbatches
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerStack:
+    """The step's scanned layer stack: its forward and backward scans over ``length``
+    layers."""
+
+    forward: Scan
+    backward: Scan
+    length: int
+
+
+def find_stack(graph: Graph, phase: Sequence[str]) -> LayerStack | None:
+    """The longest forward scan of the microbatch phase whose results a backward (reverse)
+    scan of the same length reads; None when the step has no such pair."""
+    from spmd.stages.split import BACKWARD, FORWARD
+
+    best = None
+    for fwd in graph.scans:
+        if not fwd.nodes or phase[fwd.nodes[0]] != FORWARD or fwd.eqn.params["reverse"]:
+            continue
+        length = int(fwd.eqn.params["length"])
+        made = {v for v in fwd.results if v is not None}
+        for bwd in graph.scans:
+            if (bwd.nodes and phase[bwd.nodes[0]] == BACKWARD and bwd.eqn.params["reverse"]
+                    and int(bwd.eqn.params["length"]) == length
+                    and any(v in made for v in bwd.operands)):
+                if best is None or len(fwd.nodes) > len(best.forward.nodes):
+                    best = LayerStack(fwd, bwd, length)
+    return best
+
+
+def stacked_leaves(graph: Graph, stack: LayerStack) -> set[int]:
+    """The step inputs that hold one entry per layer of the stack: those a stack's scan reads
+    as per-layer values, and every other input of one of their shapes and dtypes (the
+    optimizer's moments of a stacked parameter)."""
+    read = set()
+    for scan in (stack.forward, stack.backward):
+        first = scan.eqn.params["num_consts"] + scan.eqn.params["num_carry"]
+        for v in scan.operands[first:]:
+            if v is not None and graph.nodes[v.node].kind == "input":
+                read.add(graph.nodes[v.node].input_index)
+    shapes = {(graph.value_shape(Value(graph.inputs[i], 0)),
+               str(graph.value_dtype(Value(graph.inputs[i], 0)))) for i in read}
+    return {i for i, n in enumerate(graph.inputs)
+            if (graph.value_shape(Value(n, 0)), str(graph.value_dtype(Value(n, 0)))) in shapes}
+
+
+def _sums_for_the_update(graph: Graph, phase: Sequence[str]) -> list[str]:
+    """``phase`` with every microbatch sum (``add_any``, outside a scan) that only the
+    update reads moved to the update: a tied embedding's gradient is then summed over the
+    microbatches part by part (the head's on its own, the lookup's on its own) and added
+    once, instead of each part kept per microbatch until their sum."""
+    from spmd.stages.split import UPDATE
+
+    out = list(phase)
+    outputs = {v.node for v in graph.outputs if v is not None}
+    for n in reversed(graph.nodes):
+        if (n.kind == "op" and n.op.primitive == "add_any" and n.scan < 0
+                and out[n.id] != UPDATE and (n.consumers or n.id in outputs)
+                and all(out[c] == UPDATE for c in n.consumers)):
+            out[n.id] = UPDATE
+    return out
+
+
+class StackedPipeline:
+    """The step traced at one microbatch (``closed_jaxpr``, whose op graph is ``graph`` and
+    phases ``phase``) as one program over the whole batch: ``microbatches`` per step,
+    ``stages`` along mesh axis ``stage_axis``, ``repeats`` chunks per stage.
+
+    ``batch_inputs``: the leaves cut into microbatches; ``stack_specs``: see the attribute.
+    """
+
+    def __init__(self, graph: Graph, phase: Sequence[str], stack: LayerStack, *,
+                 microbatches: int, stages: int, repeats: int, stage_axis: str,
+                 batch_inputs: Sequence[int],
+                 stack_specs: Mapping[str, tuple[Sequence[Spec | None], Sequence[Spec | None]]]
+                 | None = None):
+        m, p, v, L = microbatches, stages, repeats, stack.length
+        if L % (p * v):
+            raise PlanError(f"the scanned stack has {L} layers, which {p} stages x {v} "
+                            f"repeats cannot share equally; use a count of stages and "
+                            f"repeats whose product divides {L}")
+        if v > 1 and m < p:
+            raise PlanError(f"the circular schedule ({v} repeats) needs at least as many "
+                            f"microbatches as stages: {m} < {p}")
+        self.graph, self.stack = graph, stack
+        self.phase = _sums_for_the_update(graph, phase)
+        self.m, self.p, self.v, self.chunk = m, p, v, L // (p * v)
+        self.stage_axis = stage_axis
+        #: per stack ("forward", "backward"): the specs its intra-op plan on one stage gives
+        #: its operands and its results; the loops keep their state in them
+        self.stack_specs = dict(stack_specs or {})
+        self.mesh: jax.sharding.Mesh | None = None  # set by ``function``
+        self.batch_inputs = set(batch_inputs)
+        self.varies = self._varies()
+        self.parts = self._parts()
+
+    @property
+    def ticks(self) -> int:
+        """Ticks of one stack's loop: ``m v + p - 1``."""
+        return self.m * self.v + self.p - 1
+
+    # -- analysis ----------------------------------------------------------------------
+    def _scan_of(self, n: int) -> Scan | None:
+        node = self.graph.nodes[n]
+        return self.graph.scans[node.scan] if node.scan >= 0 else None
+
+    def _operands(self, n: int) -> list[Value]:
+        scan = self._scan_of(n)
+        operands = scan.operands if scan is not None else self.graph.nodes[n].operands
+        return [v for v in operands if v is not None]
+
+    def _varies(self) -> list[bool]:
+        """Per node: whether its values differ between microbatches (they depend on a batch
+        input)."""
+        graph = self.graph
+        varies = [False] * len(graph.nodes)
+        for n in graph.nodes:
+            if n.kind == "input":
+                varies[n.id] = n.input_index in self.batch_inputs
+            elif n.kind == "op":
+                varies[n.id] = any(varies[v.node] for v in self._operands(n.id))
+        return varies
+
+    def _parts(self) -> dict[str, Region]:
+        """The regions ``before``, ``between``, ``after`` and ``update`` (those with ops)."""
+        from spmd.stages.split import UPDATE
+
+        graph, stack = self.graph, self.stack
+        fwd, bwd = set(stack.forward.nodes), set(stack.backward.nodes)
+        after_f = [False] * len(graph.nodes)
+        after_b = [False] * len(graph.nodes)
+        members: dict[str, list[int]] = {"before": [], "between": [], "after": [], "update": []}
+        for n in graph.nodes:
+            if n.kind != "op":
+                continue
+            if n.id in fwd or n.id in bwd:
+                after_f[n.id] = True
+                after_b[n.id] = n.id in bwd
+                continue
+            ops = self._operands(n.id)
+            after_f[n.id] = any(after_f[v.node] for v in ops)
+            after_b[n.id] = any(after_b[v.node] for v in ops)
+            part = ("update" if self.phase[n.id] == UPDATE else "after" if after_b[n.id]
+                    else "between" if after_f[n.id] else "before")
+            members[part].append(n.id)
+        for n in members["before"]:
+            if after_f[n]:  # cannot happen by construction; a guard for the regions' order
+                raise PlanError(f"op {graph.nodes[n].key} runs before the layer stack but "
+                                f"reads it")
+        return {name: Region(graph, nodes) for name, nodes in members.items() if nodes}
+
+    # -- the program ---------------------------------------------------------------------
+    def function(self, mesh: jax.sharding.Mesh) -> Callable[..., list[Any]]:
+        """The step over the whole batch on ``mesh``: flat leaves in, flat outputs out
+        (jit it)."""
+        graph = self.graph
+        self.mesh = mesh
+
+        def step(*leaves):
+            env: dict[Value, tuple[Any, str]] = {}
+            for i, node_id in enumerate(graph.inputs):
+                x = leaves[i]
+                if i in self.batch_inputs:
+                    rows = x.shape[0]
+                    x = jnp.swapaxes(x.reshape(rows // self.m, self.m, *x.shape[1:]), 0, 1)
+                    env[Value(node_id, 0)] = (x, MICRO)
+                else:
+                    env[Value(node_id, 0)] = (x, SHARED)
+            self._run_micro("before", env)
+            self._run_stack(self.stack.forward, env, forward=True)
+            self._run_micro("between", env)
+            self._run_stack(self.stack.backward, env, forward=False)
+            self._run_micro("after", env)
+            if "update" in self.parts:
+                region = self.parts["update"]
+                fn = jaxpr_as_fun(region.program())
+                outs = fn(*[self._shared(v, env) for v in region.inputs])
+                for v, x in zip(region.outputs, outs):
+                    env[v] = (x, SHARED)
+            out = []
+            for k, v in enumerate(graph.outputs):
+                out.append(graph.output_literals[k] if v is None else self._shared(v, env))
+            return out
+
+        return step
+
+    def _read(self, v: Value, env: dict) -> tuple[Any, str]:
+        if v not in env:  # a constant of the step
+            node = self.graph.nodes[v.node]
+            if v.node not in self.graph.constants:
+                raise PlanError(f"the stacked pipeline has no value for node {v.node} "
+                                f"({node.key}, {node.kind})")
+            env[v] = (jnp.asarray(self.graph.constants[v.node]), SHARED)
+        return env[v]
+
+    def _shared(self, v: Value, env: dict) -> Any:
+        """``v`` as the update reads it: averaged over the microbatches."""
+        x, kind = self._read(v, env)
+        if kind == SHARED:
+            return x
+        if kind == MICRO:
+            return jnp.mean(x, axis=0)
+        if kind == STAGED_SUM:
+            return self._unstage(x) / self.m
+        if kind == STAGED:
+            return self._unstage(x)
+        return jnp.mean(self._unstage_micro(x), axis=0)
+
+    def _micro(self, v: Value, env: dict) -> tuple[Any, bool]:
+        """``v`` as a microbatch region reads it: (value, whether it has a microbatch
+        axis)."""
+        x, kind = self._read(v, env)
+        if kind in (SHARED, MICRO):
+            return x, kind == MICRO
+        if kind == STAGED_MICRO:
+            return self._unstage_micro(x), True
+        return self._shared(v, env), False
+
+    def _run_micro(self, name: str, env: dict) -> None:
+        """Run region ``name`` for each microbatch in turn (a scan over them). A result a
+        later microbatch region or stack reads is kept per microbatch; one only the update
+        or the step's result reads is summed as it goes (a gradient, the loss); one no
+        microbatch changes is kept once."""
+        if name not in self.parts:
+            return
+        region = self.parts[name]
+        fn = jaxpr_as_fun(region.program())
+        read = [self._micro(v, env) for v in region.inputs]
+        kept = [self.kept_per_microbatch(v) if self.varies[v.node] else None
+                for v in region.outputs]
+        avals = [jax.ShapeDtypeStruct(self.graph.value_shape(v), self.graph.value_dtype(v))
+                 for v in region.outputs]
+
+        def one(carry, j):
+            outs = fn(*[x[j] if has else x for x, has in read])
+            carry = [c if keep else o if keep is None else c + o
+                     for c, o, keep in zip(carry, outs, kept)]
+            return carry, [o for o, keep in zip(outs, kept) if keep]
+
+        init = [jnp.zeros(a.shape, a.dtype) for a in avals]
+        carry, per_micro = jax.lax.scan(one, init, jnp.arange(self.m, dtype=jnp.int32))
+        per_micro = iter(per_micro)
+        for v, c, keep in zip(region.outputs, carry, kept):
+            if keep:
+                env[v] = (next(per_micro), MICRO)
+            elif keep is None:
+                env[v] = (c, SHARED)
+            else:
+                env[v] = (c / self.m, SHARED)  # the average, as the update reads it
+
+    def kept_per_microbatch(self, v: Value) -> bool:
+        """Whether a microbatch region's varying result is read by microbatch work (kept
+        per microbatch) rather than only by the update or as the step's result (summed)."""
+        from spmd.stages.split import UPDATE
+
+        return any(self.phase[c] != UPDATE for c in self.graph.nodes[v.node].consumers)
+
+    # -- stage layout ----------------------------------------------------------------------
+    def _stage(self, x: Any) -> Any:
+        """[L, ...] -> [p, v, Lc, ...]: layer ``(r p + s) Lc + i`` at ``[s, r, i]``."""
+        p, v, c = self.p, self.v, self.chunk
+        return jnp.swapaxes(x.reshape(v, p, c, *x.shape[1:]), 0, 1)
+
+    def _unstage(self, x: Any) -> Any:
+        return jnp.swapaxes(x, 0, 1).reshape(self.stack.length, *x.shape[3:])
+
+    def _stage_micro(self, x: Any) -> Any:
+        """[m, L, ...] -> [p, m, v, Lc, ...]."""
+        p, v, c, m = self.p, self.v, self.chunk, self.m
+        return jnp.transpose(x.reshape(m, v, p, c, *x.shape[2:]),
+                             (2, 0, 1, 3, *range(4, x.ndim + 2)))
+
+    def _unstage_micro(self, x: Any) -> Any:
+        """[p, m, v, Lc, ...] -> [m, L, ...]."""
+        y = jnp.transpose(x, (1, 2, 0, 3, *range(4, x.ndim)))
+        return y.reshape(self.m, self.stack.length, *x.shape[4:])
+
+    def _staged(self, v: Value, env: dict) -> tuple[Any, bool]:
+        """A per-layer value in stage layout: (value, whether per microbatch)."""
+        x, kind = self._read(v, env)
+        if kind in (STAGED, STAGED_SUM):
+            return (x / self.m if kind == STAGED_SUM else x), False
+        if kind == STAGED_MICRO:
+            return x, True
+        if kind == MICRO:
+            return self._stage_micro(x), True
+        return self._stage(x), False
+
+    def _constrain(self, x: Any, lead: int, inner: Spec | None) -> Any:
+        """A stage-stacked array: its leading axis over the stage axis, ``lead`` more
+        axes (microbatches, repeats, a chunk's layers) whole, the rest as the stack's
+        intra-op plan puts them (``inner``; None: as XLA propagates)."""
+        rest = x.ndim - 1 - lead
+        if inner is None:
+            tail = [PartitionSpec.UNCONSTRAINED] * rest
+        else:
+            tail = list(to_partition_spec(inner)) + [None] * rest
+        spec = PartitionSpec(self.stage_axis, *[None] * lead, *tail[:rest])
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+    def _shift(self, x: Any, forward: bool) -> Any:
+        """Every stage's value to the next stage along the flow (the last one's to the first):
+        one collective-permute over the stage axis."""
+        p, axis = self.p, self.stage_axis
+        perm = [(s, (s + 1) % p) if forward else (s, (s - 1) % p) for s in range(p)]
+        spec = PartitionSpec(axis)
+        moved = jax.shard_map(lambda y: jax.lax.ppermute(y, axis, perm), mesh=self.mesh,
+                              in_specs=spec, out_specs=spec, axis_names=frozenset({axis}))
+        return moved(x)
+
+    # -- one stack as a pipeline ---------------------------------------------------------------
+    def _run_stack(self, scan: Scan, env: dict, forward: bool) -> None:
+        graph, eqn = self.graph, scan.eqn
+        m, p, v, c = self.m, self.p, self.v, self.chunk
+        nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
+        body = jaxpr_as_fun(eqn.params["jaxpr"])
+        reverse = bool(eqn.params["reverse"])
+        operand_specs, result_specs = self.stack_specs.get(
+            "forward" if forward else "backward", ([None] * len(scan.operands),
+                                                   [None] * len(scan.results)))
+        per_layer = lambda spec: None if spec is None else spec[1:]  # noqa: E731 (no L dim)
+        consts = [self._micro(x, env) for x in scan.operands[:nc]]
+        inits = [self._micro(x, env) for x in scan.operands[nc:nc + nk]]
+        xs = []
+        for x, spec in zip(scan.operands[nc + nk:], operand_specs[nc + nk:]):
+            staged, has = self._staged(x, env)
+            if self._read(x, env)[1] in (STAGED, STAGED_MICRO):  # the forward stack's, kept
+                xs.append((staged, has))  # as it made them: each layer's slice moves alone
+            else:
+                xs.append((self._constrain(staged, 3 if has else 2, per_layer(spec)), has))
+        carry_avals = [var.aval for var in eqn.outvars[:nk]]
+        ys_avals = [var.aval for var in eqn.outvars[nk:]]
+        ys_values = list(scan.results[nk:])
+        modes = [self._ys_mode(y, forward) for y in ys_values]
+
+        # the loops' state, each with how it is laid out: (lead axes, spec of the rest)
+        carry_specs = result_specs[:nk]
+        box_layout = [(0, spec) for spec in carry_specs]
+        held_layout = [(1, spec) for spec in carry_specs]
+        ring_layout = held_layout if v > 1 else []
+        bufs_layout = [(3, per_layer(spec)) if mode == STAGED_MICRO else (2, per_layer(spec))
+                       for mode, spec in zip(modes, result_specs[nk:])]
+
+        def laid_out(arrays, layout):
+            return [self._constrain(a, lead, spec) for a, (lead, spec) in zip(arrays, layout)]
+
+        inbox = laid_out([jnp.zeros((p, *a.shape), a.dtype) for a in carry_avals], box_layout)
+        held = laid_out([jnp.zeros((p, m, *a.shape), a.dtype) for a in carry_avals],
+                        held_layout)  # the exit's results
+        ring = laid_out([jnp.zeros((p, m, *a.shape), a.dtype) for a in carry_avals],
+                        ring_layout)
+        ys_bufs = laid_out([jnp.zeros((p, m, v, c, *a.shape[1:]) if mode == STAGED_MICRO
+                                      else (p, v, c, *a.shape[1:]), a.dtype)
+                            for a, mode in zip(ys_avals, modes)], bufs_layout)
+        stage_ids = self._constrain(jnp.arange(p, dtype=jnp.int32), 0, None)
+
+        def chunk(cs, carry, xs_s, bufs, j, rep, valid):
+            """One stage's chunk for microbatch ``j``: its layers in turn, each reading its
+            own slice of the per-layer inputs and writing its results in place (slicing the
+            chunk's share out first would copy it: a microbatch's saved values, again)."""
+            def layer(state, i):
+                cr, bufs = state
+                outs = body(*cs, *cr, *[x[j, rep, i] if has else x[rep, i] for x, has in xs_s])
+                new = []
+                for buf, y, mode in zip(bufs, outs[nk:], modes):
+                    if mode == STAGED_MICRO:
+                        new.append(buf.at[j, rep, i].set(jnp.where(valid, y, buf[j, rep, i])))
+                    elif mode == STAGED_SUM:
+                        new.append(buf.at[rep, i].add(jnp.where(valid, y, jnp.zeros_like(y))))
+                    else:
+                        new.append(buf.at[rep, i].set(jnp.where(valid, y, buf[rep, i])))
+                return (list(outs[:nk]), new), None
+
+            order = jnp.arange(c - 1, -1, -1) if reverse else jnp.arange(c)
+            (carry, bufs), _ = jax.lax.scan(layer, (list(carry), list(bufs)),
+                                            order.astype(jnp.int32))
+            return carry, bufs
+
+        def stage_tick(s, box, held_s, ring_s, bufs, xs_s, t):
+            pos = s if forward else p - 1 - s
+            k = t - pos
+            valid = (k >= 0) & (k < m * v)
+            kc = jnp.clip(k, 0, m * v - 1)
+            r, j = kc // m, kc % m
+            rep = r if forward else v - 1 - r
+            entry, leave = pos == 0, pos == p - 1
+            if v > 1:  # the first stage keeps what came around the ring for its next repeat
+                came = t - p
+                keep = entry & (came >= 0) & (came // m < v - 1)
+                slot = jnp.clip(came, 0, m * v - 1) % m
+                ring_s = [jnp.where(keep, buf.at[slot].set(b), buf) for buf, b in zip(ring_s, box)]
+            fresh = [x[j] if has else x for x, has in inits]
+            start = [jnp.where(entry, jnp.where(r == 0, f, ring_s[n][j]) if v > 1 else f, b)
+                     for n, (f, b) in enumerate(zip(fresh, box))]
+            cs = [x[j] if has else x for x, has in consts]
+            out, new_bufs = chunk(cs, start, xs_s, bufs, j, rep, valid)
+            done = valid & leave & (r == v - 1)
+            held_s = [h.at[j].set(jnp.where(done, o, h[j])) for h, o in zip(held_s, out)]
+            return out, held_s, ring_s, new_bufs
+
+        def tick(state, t):
+            box, held_, ring_, bufs = state
+
+            def one(s, box_s, held_s, ring_s, bufs_s, *xs_s):
+                return stage_tick(s, box_s, held_s, ring_s, bufs_s,
+                                  [(x, has) for x, (_, has) in zip(xs_s, xs)], t)
+
+            out, held_, ring_, bufs = jax.vmap(one)(stage_ids, box, held_, ring_, bufs,
+                                                    *[x for x, _ in xs])
+            box = [self._shift(o, forward) for o in out]
+            return (laid_out(box, box_layout), laid_out(held_, held_layout),
+                    laid_out(ring_, ring_layout), laid_out(bufs, bufs_layout)), None
+
+        (box, held, ring, ys_bufs), _ = jax.lax.scan(
+            tick, (inbox, held, ring, ys_bufs), jnp.arange(self.ticks, dtype=jnp.int32))
+        exit_stage = p - 1 if forward else 0
+        for res, h in zip(scan.results[:nk], held):
+            if res is not None:
+                env[res] = (h[exit_stage], MICRO)
+        for res, buf, mode in zip(ys_values, ys_bufs, modes):
+            if res is not None:
+                env[res] = (buf, mode)
+
+    def _ys_mode(self, y: Value | None, forward: bool) -> str:
+        """How a stack's per-layer result is kept: per microbatch where a microbatch region
+        or the backward stack reads it, summed where only the update (or the step's result)
+        does, once where no microbatch changes it."""
+        from spmd.stages.split import UPDATE
+
+        if y is None or not self.varies[y.node]:
+            return STAGED
+        readers = [c for c in self.graph.nodes[y.node].consumers]
+        if not forward and all(self.phase[c] == UPDATE for c in readers):
+            return STAGED_SUM
+        return STAGED_MICRO
+
+
+class StackedExecutable:
+    """A ``PipelinePlan`` of the SPMD runtime made runnable: one jitted program on the whole
+    mesh, with the interface ``spmd.api`` calls a plan's executable through."""
+
+    def __init__(self, plan: Any, donate: bool | None = None):
+        """``donate`` (default: True for NNX steps, whose state spmd writes back, as
+        ``spmd.runtime.compile.prepare`` does): the new state reuses the old one's buffers."""
+        from spmd.stages.split import LayeredStep
+
+        self.plan = plan
+        sig, micro = plan.signature, plan.micro
+        layered = LayeredStep(micro.jaxpr, 1)
+        stack = find_stack(layered.graph, layered.phase)
+        if stack is None:
+            raise PlanError("the SPMD pipeline runtime found no scanned layer stack in the step")
+        self.pipeline = StackedPipeline(
+            layered.graph, layered.phase, stack, microbatches=plan.microbatches,
+            stages=len(plan.stages), repeats=plan.repeats,
+            stage_axis=plan.stage_axis, stack_specs=plan.stack_specs,
+            batch_inputs=[i for i, leaf in enumerate(sig.leaves) if leaf.kind == "batch"])
+        self.shardings = plan.input_shardings_flat()
+        aliased = dict(sig.output_aliases)
+        donate = donate if donate is not None else sig.graphdef is not None
+        outs = tuple(self.shardings[aliased[k]] if k in aliased else None
+                     for k in range(len(sig.out_avals)))
+        step = self.pipeline.function(plan.mesh.sharding_mesh())
+        self.jitted = jax.jit(lambda *flat: tuple(step(*flat)), in_shardings=tuple(self.shardings),
+                              out_shardings=outs,
+                              donate_argnums=tuple(sorted(set(aliased.values()))) if donate else ())
+        self._compiled = None
+
+    def place(self, leaves: Sequence[Any]) -> list[Any]:
+        return [x if isinstance(x, jax.Array) and placed(x, s) else jax.device_put(x, s)
+                for x, s in zip(leaves, self.shardings)]
+
+    def lower(self):
+        return self.jitted.lower(*self.plan.signature.in_avals)
+
+    def compile(self):
+        """Compile once and keep the executable: later calls run it."""
+        if self._compiled is None:
+            self._compiled = self.lower().compile()
+        return self._compiled
+
+    def __call__(self, leaves: Sequence[Any]) -> list[Any]:
+        run = self._compiled or self.jitted
+        return list(run(*self.place(leaves)))
