@@ -35,6 +35,18 @@ def constrained(closed_jaxpr, constraints: Mapping[str, Spec], mesh: DeviceMesh 
     ``mesh`` is a DeviceMesh or a concrete ``jax.sharding.Mesh``. The caller jits the result
     with in/out shardings from the plan's input and output specs.
     """
+    after, before = constraint_hooks(constraints, mesh)
+
+    def run(*args):
+        return eval_jaxpr_with(closed_jaxpr.jaxpr, closed_jaxpr.consts, args, after, before)
+
+    return run
+
+
+def constraint_hooks(constraints: Mapping[str, Spec], mesh: DeviceMesh | Any
+                     ) -> tuple[Callable, Callable | None]:
+    """The ``hook`` and ``operand_hook`` of ``eval_jaxpr_with`` that put ``constraints``
+    (keyed by the paths of the program they were planned on) on the values they name."""
     jmesh = mesh.jax_mesh() if isinstance(mesh, DeviceMesh) else mesh
     shardings = {k: NamedSharding(jmesh, to_partition_spec(tuple(tuple(a) for a in s)))
                  for k, s in constraints.items()}
@@ -49,8 +61,4 @@ def constrained(closed_jaxpr, constraints: Mapping[str, Spec], mesh: DeviceMesh 
         return [jax.lax.with_sharding_constraint(x, shardings[operand_key(path, i)])
                 if operand_key(path, i) in ins_at else x for i, x in enumerate(args)]
 
-    def run(*args):
-        return eval_jaxpr_with(closed_jaxpr.jaxpr, closed_jaxpr.consts, args, after,
-                               before if ins_at else None)
-
-    return run
+    return after, (before if ins_at else None)

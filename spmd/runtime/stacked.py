@@ -51,11 +51,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd.errors import PlanError
 from spmd.runtime.compile import placed
+from spmd.runtime.constrain import constrained, constraint_hooks
 from spmd.sharding import Spec, to_partition_spec
-from spmd.trace.graph import Graph, Scan, Value
+from spmd.trace.graph import SCAN, Graph, Scan, Value, value_key
+from spmd.trace.interpret import eval_jaxpr_with
 from spmd.trace.regions import Region
 
-__all__ = ["LayerStack", "StackedExecutable", "StackedPipeline", "find_stack", "stacked_leaves"]
+__all__ = ["LayerStack", "RegionLayout", "StackedExecutable", "StackedPipeline", "find_stack", "stacked_leaves"]
 
 # how a value is held inside the program
 SHARED = "shared"        # one value for all microbatches, as the step has it
@@ -63,6 +65,18 @@ MICRO = "micro"          # [m, ...]: one per microbatch
 STAGED = "staged"        # [p, v, Lc, ...]: a per-layer value in stage layout
 STAGED_MICRO = "staged micro"  # [p, m, v, Lc, ...]
 STAGED_SUM = "staged sum"      # [p, v, Lc, ...] summed over microbatches
+
+
+@dataclasses.dataclass(frozen=True)
+class RegionLayout:
+    """How one part of the step is laid out, from its intra-op plan on one stage's devices
+    (the update's: on the whole mesh): the sharding constraints inside it, keyed by the
+    paths of its region's program; for a stack, the specs its scan's operands and results
+    get (the loops keep their state in them)."""
+
+    constraints: Mapping[str, Spec]
+    operands: Sequence[Spec | None] = ()
+    results: Sequence[Spec | None] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,14 +147,13 @@ class StackedPipeline:
     phases ``phase``) as one program over the whole batch: ``microbatches`` per step,
     ``stages`` along mesh axis ``stage_axis``, ``repeats`` chunks per stage.
 
-    ``batch_inputs``: the leaves cut into microbatches; ``stack_specs``: see the attribute.
+    ``batch_inputs``: the leaves cut into microbatches; ``layouts``: see the attribute.
     """
 
     def __init__(self, graph: Graph, phase: Sequence[str], stack: LayerStack, *,
                  microbatches: int, stages: int, repeats: int, stage_axis: str,
                  batch_inputs: Sequence[int],
-                 stack_specs: Mapping[str, tuple[Sequence[Spec | None], Sequence[Spec | None]]]
-                 | None = None):
+                 layouts: Mapping[str, RegionLayout] | None = None):
         m, p, v, L = microbatches, stages, repeats, stack.length
         if L % (p * v):
             raise PlanError(f"the scanned stack has {L} layers, which {p} stages x {v} "
@@ -153,9 +166,9 @@ class StackedPipeline:
         self.phase = _sums_for_the_update(graph, phase)
         self.m, self.p, self.v, self.chunk = m, p, v, L // (p * v)
         self.stage_axis = stage_axis
-        #: per stack ("forward", "backward"): the specs its intra-op plan on one stage gives
-        #: its operands and its results; the loops keep their state in them
-        self.stack_specs = dict(stack_specs or {})
+        #: per part ("before", "between", "after", "update", "forward stack",
+        #: "backward stack"), how its plan lays it out (none: as XLA propagates)
+        self.layouts = dict(layouts or {})
         self.mesh: jax.sharding.Mesh | None = None  # set by ``function``
         self.batch_inputs = set(batch_inputs)
         self.varies = self._varies()
@@ -240,8 +253,7 @@ class StackedPipeline:
             self._run_micro("after", env)
             if "update" in self.parts:
                 region = self.parts["update"]
-                fn = jaxpr_as_fun(region.program())
-                outs = fn(*[self._shared(v, env) for v in region.inputs])
+                outs = self._program("update")(*[self._shared(v, env) for v in region.inputs])
                 for v, x in zip(region.outputs, outs):
                     env[v] = (x, SHARED)
             out = []
@@ -291,7 +303,7 @@ class StackedPipeline:
         if name not in self.parts:
             return
         region = self.parts[name]
-        fn = jaxpr_as_fun(region.program())
+        fn = self._program(name)
         read = [self._micro(v, env) for v in region.inputs]
         kept = [self.kept_per_microbatch(v) if self.varies[v.node] else None
                 for v in region.outputs]
@@ -314,6 +326,14 @@ class StackedPipeline:
                 env[v] = (c, SHARED)
             else:
                 env[v] = (c / self.m, SHARED)  # the average, as the update reads it
+
+    def _program(self, name: str) -> Callable[..., list[Any]]:
+        """Part ``name``'s program, under its plan's sharding constraints where it has one."""
+        program = self.parts[name].program()
+        layout = self.layouts.get(name)
+        if layout is None:
+            return jaxpr_as_fun(program)
+        return constrained(program, layout.constraints, self.mesh)
 
     def kept_per_microbatch(self, v: Value) -> bool:
         """Whether a microbatch region's varying result is read by microbatch work (kept
@@ -380,11 +400,11 @@ class StackedPipeline:
         graph, eqn = self.graph, scan.eqn
         m, p, v, c = self.m, self.p, self.v, self.chunk
         nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
-        body = jaxpr_as_fun(eqn.params["jaxpr"])
         reverse = bool(eqn.params["reverse"])
-        operand_specs, result_specs = self.stack_specs.get(
-            "forward" if forward else "backward", ([None] * len(scan.operands),
-                                                   [None] * len(scan.results)))
+        layout = self.layouts.get("forward stack" if forward else "backward stack")
+        operand_specs = list(layout.operands) if layout else [None] * len(scan.operands)
+        result_specs = list(layout.results) if layout else [None] * len(scan.results)
+        body = self._body(scan, layout)
         per_layer = lambda spec: None if spec is None else spec[1:]  # noqa: E731 (no L dim)
         consts = [self._micro(x, env) for x in scan.operands[:nc]]
         inits = [self._micro(x, env) for x in scan.operands[nc:nc + nk]]
@@ -472,8 +492,8 @@ class StackedPipeline:
                 return stage_tick(s, box_s, held_s, ring_s, bufs_s,
                                   [(x, has) for x, (_, has) in zip(xs_s, xs)], t)
 
-            out, held_, ring_, bufs = jax.vmap(one)(stage_ids, box, held_, ring_, bufs,
-                                                    *[x for x, _ in xs])
+            out, held_, ring_, bufs = jax.vmap(one, spmd_axis_name=self.stage_axis)(
+                stage_ids, box, held_, ring_, bufs, *[x for x, _ in xs])
             box = [self._shift(o, forward) for o in out]
             return (laid_out(box, box_layout), laid_out(held_, held_layout),
                     laid_out(ring_, ring_layout), laid_out(bufs, bufs_layout)), None
@@ -487,6 +507,36 @@ class StackedPipeline:
         for res, buf, mode in zip(ys_values, ys_bufs, modes):
             if res is not None:
                 env[res] = (buf, mode)
+
+    def _body(self, scan: Scan, layout: RegionLayout | None) -> Callable[..., list[Any]]:
+        """One layer of ``scan``: its body, under the stack plan's constraints inside it
+        and on the carry and the layer's slices it reads (the plan's paths: the scan's
+        equation in its region's program, then the body's)."""
+        closed = scan.eqn.params["jaxpr"]
+        if layout is None:
+            return jaxpr_as_fun(closed)
+        program = Region(self.graph, scan.nodes).program()
+        at = next(i for i, e in enumerate(program.jaxpr.eqns) if e.primitive.name == SCAN)
+        after, before = constraint_hooks(layout.constraints, self.mesh)
+        nc, nk = scan.eqn.params["num_consts"], scan.eqn.params["num_carry"]
+        entering = [value_key((at, "carry", k), 0) for k in range(nk)] + [
+            value_key((at, "xs", k), 0) for k in range(len(scan.operands) - nc - nk)]
+
+        def body(*args):
+            args = list(args)
+            args[nc:] = [self._pin(x, layout.constraints.get(key))
+                         for x, key in zip(args[nc:], entering)]
+            return eval_jaxpr_with(closed.jaxpr, closed.consts, args, after, before,
+                                   path=(at,))
+
+        return body
+
+    def _pin(self, x: Any, spec: Spec | None) -> Any:
+        """``x`` in ``spec`` on the mesh (under the stage vmap: each stage's own part)."""
+        if spec is None:
+            return x
+        return jax.lax.with_sharding_constraint(
+            x, NamedSharding(self.mesh, to_partition_spec(spec)))
 
     def _ys_mode(self, y: Value | None, forward: bool) -> str:
         """How a stack's per-layer result is kept: per microbatch where a microbatch region
@@ -520,7 +570,7 @@ class StackedExecutable:
         self.pipeline = StackedPipeline(
             layered.graph, layered.phase, stack, microbatches=plan.microbatches,
             stages=len(plan.stages), repeats=plan.repeats,
-            stage_axis=plan.stage_axis, stack_specs=plan.stack_specs,
+            stage_axis=plan.stage_axis, layouts=plan.layouts,
             batch_inputs=[i for i, leaf in enumerate(sig.leaves) if leaf.kind == "batch"])
         self.shardings = plan.input_shardings_flat()
         aliased = dict(sig.output_aliases)

@@ -160,9 +160,10 @@ def plan_manual_pipeline(full: StepSignature, args: Sequence[Any], mesh: DeviceM
     priced = options.compare or options.memory_budget is not None  # as plan_manual scores
     stack = check_runtime(layered, p, options)
     if stack is not None:
-        return plan_stacked_pipeline(full, micro, layered, stack, mesh, meshes, method, intra,
-                                     specs, microbatches=m, options=options, priced=priced,
-                                     cache=cache)
+        plan = plan_stacked_pipeline(full, micro, layered, stack, mesh, meshes, method, intra,
+                                     specs, microbatches=m, options=options, cache=cache)
+        _check_budget(plan, options)
+        return plan
     inputs = [InputInfo(leaf.path, leaf.shape, leaf.dtype, leaf.kind, spec)
               for leaf, spec in zip(micro.leaves, specs)]
     # every step input is pinned: each stage's search is a scoring, and is timed like one
@@ -186,14 +187,19 @@ def plan_manual_pipeline(full: StepSignature, args: Sequence[Any], mesh: DeviceM
     if priced:
         copies = shared_copy_time(split, micro.leaves, specs, meshes[0], link)
         plan.prediction = predict([st.cost for st in stages], sched, copy_time=copies)
-        budget = options.memory_budget
-        if budget is not None and plan.prediction.memory_bytes > budget:
-            raise InfeasibleError(
-                f"method {method!r} needs {plan.prediction.memory_bytes / 2**30:.2f} GiB "
-                f"({plan.prediction.memory_bytes:.0f} bytes) per device on its fullest stage "
-                f"(predicted), over memory_budget={budget:.4g} "
-                f"bytes ({budget / 2**30:.2f} GiB); pick another method or more microbatches")
+        _check_budget(plan, options)
     return plan
+
+
+def _check_budget(plan: PipelinePlan, options: SearchOptions) -> None:
+    """A priced plan over ``options.memory_budget`` is an error that says by how much."""
+    budget = options.memory_budget
+    if budget is not None and plan.prediction.memory_bytes > budget:
+        need = plan.prediction.memory_bytes
+        raise InfeasibleError(
+            f"method {plan.method!r} needs {need / 2**30:.2f} GiB ({need:.0f} bytes) per "
+            f"device on its fullest stage (predicted), over memory_budget={budget:.4g} "
+            f"bytes ({budget / 2**30:.2f} GiB); pick another method or more microbatches")
 
 
 def shared_copy_time(split: StageSplit, leaves: Sequence[Leaf], specs: Sequence[Spec],

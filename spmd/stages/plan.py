@@ -110,9 +110,9 @@ class PipelinePlan:
     repeats: int = 1
     specs: list[Spec] | None = None
     stage_axis: str = "stage"
-    #: the SPMD runtime's loops: per stack ("forward", "backward"), the specs its intra-op
-    #: plan on one stage gives the scan's operands and results
-    stack_specs: dict[str, tuple[list, list]] | None = None
+    #: the SPMD runtime's parts of the step, each as its intra-op plan lays it out
+    #: (``spmd.runtime.stacked.RegionLayout``)
+    layouts: dict[str, Any] | None = None
 
     @property
     def microbatches(self) -> int:

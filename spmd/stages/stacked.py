@@ -8,19 +8,23 @@ intra-op method puts it; every other leaf is as the method puts it on one stage,
 on each (the embedding, the head and their optimizer state are replicated over the stages,
 as MaxText has them).
 
-The prediction prices each part of the step with the intra-op search on one stage's devices,
-its inputs pinned to those specs (``spmd.search.regions.search_region``):
+Each part of the step is planned by the intra-op search on one stage's devices, its inputs
+pinned to those specs (``spmd.search.regions.search_region``); the runtime lays the part out
+as its plan does (``RegionLayout``: the plan's constraints, and the specs of a stack's
+loop state). The prediction prices:
 
 - the microbatch regions (before, between and after the stacks) once per microbatch;
 - each stack's loop: ``m v + p - 1`` ticks, each one chunk (``L / (p v)`` layers) of the
-  stack's time plus sending the carry to the next stage over the stage link;
+  stack's time plus sending the carry to the next stage over the stage link; then the
+  stack's results (all microbatches') from the flow's last stage to the others;
 - the update, on the whole mesh (the stacked state split over the stages);
 - with ``v > 1``, the stacked parameters moved into the circular layout and their gradients
   back, each device sending all but a ``1 / v`` of its share (an all-to-all over the stage
   link).
 
 Memory per device: the step inputs as held, the gradients of the stacked parameters summed
-on their stage, what the stacks keep per microbatch for the backward stack (``m`` sets of
+on their stage (with ``v > 1`` the stacked parameters and their gradients once more, in the
+circular layout), what the stacks keep per microbatch for the backward stack (``m`` sets of
 the stage's ``L / p`` layers), the microbatch regions' values kept per microbatch, and the
 largest working peak of one region beyond what it reads.
 """
@@ -30,10 +34,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from spmd.cluster.mesh import DeviceMesh
+from spmd.cluster.mesh import DeviceMesh, Link
 from spmd.errors import PlanError
 from spmd.options import SearchOptions
-from spmd.runtime.stacked import LayerStack, StackedPipeline, find_stack, stacked_leaves
+from spmd.runtime.stacked import (LayerStack, RegionLayout, StackedPipeline, find_stack,
+                                  stacked_leaves)
 from spmd.search.costgraph import InputInfo
 from spmd.search.regions import RegionCache, RegionPlan, search_region
 from spmd.sharding import Spec, bytes_per_device
@@ -71,34 +76,48 @@ def global_specs(graph: Graph, stack: LayerStack, specs: Sequence[Spec],
 def plan_stacked_pipeline(full: StepSignature, micro: StepSignature, layered: LayeredStep,
                           stack: LayerStack, mesh: DeviceMesh, meshes: Sequence[DeviceMesh],
                           method: str, intra: str, specs: Sequence[Spec], *,
-                          microbatches: int, options: SearchOptions, priced: bool,
+                          microbatches: int, options: SearchOptions,
                           cache: RegionCache | None = None) -> PipelinePlan:
     """The SPMD pipeline plan ``method`` (``intra`` inside each stage, whose leaves' specs on
-    one stage are ``specs``), priced where ``priced`` (module docstring)."""
+    one stage are ``specs``; ``meshes``: the stages' devices). Every part of the step is
+    planned, whatever ``options.compare`` says: the runtime lays each part out as its plan
+    does, so the plan is always priced (module docstring)."""
     pipe = options.pipeline
     p, m, v = len(meshes), microbatches, pipe.repeats
-    L = stack.length
-    batch = [i for i, leaf in enumerate(micro.leaves) if leaf.kind == "batch"]
-    runtime = StackedPipeline(layered.graph, layered.phase, stack, microbatches=m, stages=p,
-                              repeats=v, stage_axis=pipe.stage_axis, batch_inputs=batch)
-    chunk = L // (p * v)
+    L, graph = stack.length, layered.graph
+    runtime = StackedPipeline(graph, layered.phase, stack, microbatches=m, stages=p,
+                              repeats=v, stage_axis=pipe.stage_axis,
+                              batch_inputs=[i for i, leaf in enumerate(micro.leaves)
+                                            if leaf.kind == "batch"])
     scoring = dataclasses.replace(options, time_limit=options.scoring()[0])
-    on_stage = [InputInfo(leaf.path, leaf.shape, leaf.dtype, leaf.kind, spec)
-                for leaf, spec in zip(micro.leaves, specs)]
-    graph = layered.graph
+    whole_specs = global_specs(graph, stack, specs, pipe.stage_axis)
+
+    def planned(region: Region, on: DeviceMesh, chosen: Sequence[Spec]) -> RegionPlan:
+        return search_region(region, on, step_inputs=[
+            InputInfo(leaf.path, leaf.shape, leaf.dtype, leaf.kind, spec)
+            for leaf, spec in zip(micro.leaves, chosen)],
+            output_aliases=micro.output_aliases, options=scoring, cache=cache)
+
     regions = {"forward stack": Region(graph, stack.forward.nodes),
-               "backward stack": Region(graph, stack.backward.nodes)}
-    if priced:
-        regions.update({k: r for k, r in runtime.parts.items() if k != "update"})
-    searched = {name: (region, search_region(region, meshes[0], step_inputs=on_stage,
-                                             output_aliases=micro.output_aliases,
-                                             options=scoring, cache=cache))
+               "backward stack": Region(graph, stack.backward.nodes),
+               **{k: r for k, r in runtime.parts.items() if k != "update"}}
+    searched = {name: (region, planned(region, meshes[0], specs))
                 for name, region in regions.items()}
-    stage_plans = [StagePlan(s * chunk, (s + 1) * chunk, sub, intra, list(specs))
-                   for s, sub in enumerate(meshes)]
+    # the update on the whole mesh: the stacked state split over the stages
+    update = planned(runtime.parts["update"], mesh, whole_specs) if (
+        "update" in runtime.parts) else None
+    layouts = {name: (_stack_layout(stack.forward if name.startswith("forward")
+                                    else stack.backward, region, plan)
+                      if name.endswith("stack") else RegionLayout(plan.result.constraints))
+               for name, (region, plan) in searched.items()}
+    if update is not None:
+        layouts["update"] = RegionLayout(update.result.constraints)
+    chunk = L // (p * v)
     name = "circular" if v > 1 else "gpipe"
-    plan = PipelinePlan(method, mesh, full.leaves, L, stage_plans, schedule("gpipe", p, m),
-                        None, full, micro, runtime="spmd", repeats=v,
+    plan = PipelinePlan(method, mesh, full.leaves, L,
+                        [StagePlan(s * chunk, (s + 1) * chunk, sub, intra, list(specs))
+                         for s, sub in enumerate(meshes)],
+                        schedule("gpipe", p, m), None, full, micro, runtime="spmd", repeats=v,
                         why_runtime=(
                             f"SPMD ({name}): the step scans its {L} layers, so one program on "
                             f"the whole mesh runs them, {L // p} per stage over "
@@ -106,113 +125,91 @@ def plan_stacked_pipeline(full: StepSignature, micro: StepSignature, layered: La
                             + (f" in {v} chunks of {chunk} taken in turn" if v > 1 else "")
                             + ", microbatches moved by collective-permute; everything else "
                             "of the step runs on every stage"),
-                        specs=global_specs(graph, stack, specs, pipe.stage_axis),
-                        stage_axis=pipe.stage_axis,
-                        stack_specs={
-                            "forward": _scan_specs(stack.forward, *searched["forward stack"]),
-                            "backward": _scan_specs(stack.backward,
-                                                    *searched["backward stack"])})
-    if priced:
-        plan.prediction = _predict(runtime, searched, micro, meshes[0], mesh, specs,
-                                   plan.specs, scoring, cache)
+                        specs=whole_specs, stage_axis=pipe.stage_axis, layouts=layouts)
+    plan.prediction = _predict(runtime, searched, update, micro, meshes[0], mesh, specs,
+                               whole_specs, mesh.link(pipe.stage_axis) if p > 1 else None)
     return plan
 
 
-def _scan_specs(scan: Scan, region: Region, plan: RegionPlan
-                ) -> tuple[list[Spec | None], list[Spec | None]]:
-    """The specs ``plan`` (of the region holding just ``scan``) gives the scan's operands
-    and results."""
+def _stack_layout(scan: Scan, region: Region, plan: RegionPlan) -> RegionLayout:
+    """How ``plan`` (of the region holding just ``scan``) lays the stack out: its
+    constraints, and the specs it gives the scan's operands and results."""
     given = dict(zip(region.inputs, plan.result.input_specs))
     made = dict(zip(region.outputs, plan.result.output_specs))
-    return ([given.get(v) if v is not None else None for v in scan.operands],
-            [made.get(v) if v is not None else None for v in scan.results])
+    return RegionLayout(plan.result.constraints,
+                        [given.get(v) if v is not None else None for v in scan.operands],
+                        [made.get(v) if v is not None else None for v in scan.results])
 
 
 def _predict(runtime: StackedPipeline, searched: dict[str, tuple[Region, RegionPlan]],
-             micro: StepSignature, stage_mesh: DeviceMesh, mesh: DeviceMesh,
-             specs: Sequence[Spec], whole_specs: Sequence[Spec], scoring: SearchOptions,
-             cache: RegionCache | None) -> PipelinePrediction:
+             update: RegionPlan | None, micro: StepSignature, stage_mesh: DeviceMesh,
+             mesh: DeviceMesh, specs: Sequence[Spec], whole_specs: Sequence[Spec],
+             link: Link | None) -> PipelinePrediction:
+    """Time and memory of the SPMD pipeline (module docstring), from each part's plan."""
     graph, stack = runtime.graph, runtime.stack
     p, m, v = runtime.p, runtime.m, runtime.v
-    aliases = micro.output_aliases
-
-    def infos(chosen: Sequence[Spec]) -> list[InputInfo]:
-        return [InputInfo(leaf.path, leaf.shape, leaf.dtype, leaf.kind, spec)
-                for leaf, spec in zip(micro.leaves, chosen)]
-
     time = {k: plan.prediction.total_time for k, (_, plan) in searched.items()}
-    link = mesh.link(scoring.pipeline.stage_axis) if p > 1 else None
 
-    def held(v_: Value, region: Region, plan, output: bool = True) -> int:
+    def held(value: Value, region: Region, plan: RegionPlan, output: bool = True) -> int:
         values = region.outputs if output else region.inputs
         chosen = plan.result.output_specs if output else plan.result.input_specs
-        spec = dict(zip(values, chosen)).get(v_)
-        shape = graph.value_shape(v_)
-        return bytes_per_device(shape, graph.value_dtype(v_), spec or ((),) * len(shape),
+        spec = dict(zip(values, chosen)).get(value)
+        shape = graph.value_shape(value)
+        return bytes_per_device(shape, graph.value_dtype(value), spec or ((),) * len(shape),
                                 stage_mesh.shape)
 
     def carry_bytes(name: str) -> int:
         region, plan = searched[name]
         scan = stack.forward if name == "forward stack" else stack.backward
-        nc, nk = scan.eqn.params["num_consts"], scan.eqn.params["num_carry"]
-        return sum(held(r, region, plan) for r in scan.results[:nk] if r is not None) if nk \
-            else 0
+        nk = scan.eqn.params["num_carry"]
+        return sum(held(r, region, plan) for r in scan.results[:nk] if r is not None)
 
+    stacks = ("forward stack", "backward stack")
     ticks = runtime.ticks
-    loops = {}
-    for name in ("forward stack", "backward stack"):
-        loops[name] = ticks * (time[name] / (p * v) + link_time(carry_bytes(name), link))
-    per_micro = sum(time.get(k, 0.0) for k in ("before", "between", "after"))
-    span = m * per_micro + sum(loops.values())
-    bubble = (ticks - m * v) * (time["forward stack"] + time["backward stack"]) / (p * v)
-    update_time = 0.0
-    update_peak = 0.0
-    if "update" in runtime.parts:
-        update = search_region(runtime.parts["update"], mesh, step_inputs=infos(whole_specs),
-                               output_aliases=aliases, options=scoring, cache=cache)
-        update_time = update.prediction.total_time
-        update_peak = update.prediction.memory_bytes
+    # each loop: a chunk of its stack per tick, then the carries one stage along; then its
+    # results from the last stage of the flow to every stage
+    loops = sum(ticks * (time[k] / (p * v) + link_time(carry_bytes(k), link))
+                + link_time(m * carry_bytes(k), link) for k in stacks)
+    span = m * sum(time.get(k, 0.0) for k in ("before", "between", "after")) + loops
+    bubble = (ticks - m * v) * sum(time[k] for k in stacks) / (p * v)
     stacked = stacked_leaves(graph, stack)
-    copy_time = 0.0
-    if v > 1 and link is not None:  # the stacked parameters into the circular layout, and back
-        moved = sum(bytes_per_device(leaf.shape, leaf.dtype, spec, mesh.shape)
-                    for i, (leaf, spec) in enumerate(zip(micro.leaves, whole_specs))
-                    if i in stacked and leaf.kind == "param") * (v - 1) / v
-        copy_time = 2 * link_time(moved, link)
+    stacked_params = sum(bytes_per_device(leaf.shape, leaf.dtype, spec, mesh.shape)
+                         for i, (leaf, spec) in enumerate(zip(micro.leaves, whole_specs))
+                         if i in stacked and leaf.kind == "param")
+    # circular: the stacked parameters copied into the circular layout, and their gradients
+    # back, each device sending all but 1 / v of its share
+    copy_time = 2 * link_time(stacked_params * (v - 1) / v, link) if v > 1 else 0.0
+    relaid = 2 * stacked_params if v > 1 else 0.0
     # memory per device
     state = sum(bytes_per_device(leaf.shape, leaf.dtype, spec, mesh.shape)
                 for leaf, spec in zip(micro.leaves, whole_specs) if leaf.kind != "batch")
-    batch_bytes = m * sum(bytes_per_device(leaf.shape, leaf.dtype, spec, stage_mesh.shape)
-                          for leaf, spec in zip(micro.leaves, specs) if leaf.kind == "batch")
+    batch = m * sum(bytes_per_device(leaf.shape, leaf.dtype, spec, stage_mesh.shape)
+                    for leaf, spec in zip(micro.leaves, specs) if leaf.kind == "batch")
     grads = sum(bytes_per_device(leaf.shape, leaf.dtype, spec, mesh.shape)
                 for leaf, spec in zip(micro.leaves, whole_specs) if leaf.kind == "param")
     f_region, f_plan = searched["forward stack"]
-    b_region, _ = searched["backward stack"]
-    saved = set(b_region.inputs)
+    saved = set(searched["backward stack"][0].inputs)
+    carries = set(stack.forward.results[:stack.forward.eqn.params["num_carry"]])
     residuals = m * sum(held(r, f_region, f_plan) for r in f_region.outputs
-                        if r in saved and r not in stack.forward.results[
-                            :stack.forward.eqn.params["num_carry"]]) / p
-    kept = 0.0
-    for name in ("before", "between", "after"):
-        if name in searched:
-            region, plan = searched[name]
-            kept += m * sum(held(r, region, plan) for r in region.outputs
-                            if runtime.varies[r.node] and runtime.kept_per_microbatch(r))
+                        if r in saved and r not in carries) / p
+    kept = sum(m * held(r, region, plan) for name, (region, plan) in searched.items()
+               if not name.endswith("stack") for r in region.outputs
+               if runtime.varies[r.node] and runtime.kept_per_microbatch(r))
     work = 0.0
-    for name, (region, plan) in searched.items():
+    for name, (region, plan) in searched.items():  # a part's peak beyond what it reads
         reads = sum(held(r, region, plan, output=False) for r in region.inputs)
-        scale = 1.0 / (p * v) if name.endswith("stack") else 1.0
-        work = max(work, max(plan.prediction.memory_bytes - reads, 0.0) * scale)
-    import os
-    if os.environ.get("SPMD_DEBUG"): print("PRED state", state/2**20, "batch", batch_bytes/2**20, "grads", grads/2**20, "res", residuals/2**20, "kept", kept/2**20, "work", work/2**20, "upd", (update_peak-state)/2**20)
-    memory = state + batch_bytes + grads + residuals + kept + max(work, update_peak - state)
-    comm = m * sum(searched[k][1].prediction.comm_time for k in searched
-                   if not k.endswith("stack")) + ticks * sum(
-        searched[k][1].prediction.comm_time / (p * v) for k in ("forward stack", "backward stack"))
-    transfers = tuple((f"{name}'s carry", float(carry_bytes(name)), ticks)
-                      for name in ("forward stack", "backward stack") if p > 1)
-    return PipelinePrediction(span, update_time, copy_time, bubble, memory, (memory,) * p, comm,
-                              transfers)
+        share = 1.0 / (p * v) if name in stacks else 1.0  # a chunk of a stack at a time
+        work = max(work, max(plan.prediction.memory_bytes - reads, 0.0) * share)
+    update_time = update.prediction.total_time if update is not None else 0.0
+    update_work = update.prediction.memory_bytes - state if update is not None else 0.0
+    memory = state + batch + grads + relaid + residuals + kept + max(work, update_work)
+    comm = (m * sum(plan.prediction.comm_time for k, (_, plan) in searched.items()
+                    if k not in stacks)
+            + ticks * sum(searched[k][1].prediction.comm_time for k in stacks) / (p * v))
+    transfers = tuple((f"{k}'s carry", float(carry_bytes(k)), ticks)
+                      for k in stacks if p > 1)
+    return PipelinePrediction(span, update_time, copy_time, bubble, memory, (memory,) * p,
+                              comm, transfers)
 
 
 def check_runtime(layered: LayeredStep, stages: int, options: SearchOptions
