@@ -205,7 +205,7 @@ def run(
     _say_predicted(step_time, plan)
     if pipelined:
         _say(plan.describe())
-        _say(_programs_summary(step.compiled(net, opt, local_batch)))
+        _say(_programs_summary(step.compiled(net, opt, local_batch), plan.runtime))
     else:
         _say(plan.describe(max_rows=None if describe else 12))
         _say(report.describe())
@@ -216,11 +216,13 @@ def run(
             "report": report.to_dict() if report is not None else None}, indent=1))
 
 
-def _programs_summary(compiled: dict) -> str:
+def _programs_summary(compiled: dict, runtime: str) -> str:
     """A pipeline's compiled programs, one line each: the collectives XLA emitted in it."""
     import spmd
 
-    lines = [f"compiled programs ({len(compiled)}: one per stage and phase this process "
+    lines = ["compiled program (the SPMD pipeline: one, on the whole mesh):"
+             if runtime == "spmd" else
+             f"compiled programs ({len(compiled)}: one per stage and phase this process "
              f"runs, and the copies between stages across processes):"]
     for name, program in compiled.items():
         report = spmd.analyze(program)

@@ -1,5 +1,5 @@
 """Two processes x four CPU devices (gloo) train like one process with eight devices, and a
-pipeline with a stage on each process trains like one device."""
+pipeline with a stage on each process (either runtime) trains like one device."""
 
 import json
 import os
@@ -17,11 +17,11 @@ from spmd.cli import main
 ROOT = Path(__file__).parent.parent
 
 
-def _launch(output: Path, *run_args: str) -> str:
+def _launch(output: Path, *run_args: str, model: str = "gpt-tiny") -> str:
     """``spmd launch -n 2 -- spmd run ...``: the first process's losses go to ``output``."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
     env["XLA_FLAGS"] = FAST_COMPILE_FLAGS
-    run = [sys.executable, "-m", "spmd.cli", "run", "--model", "gpt-tiny", *run_args]
+    run = [sys.executable, "-m", "spmd.cli", "run", "--model", model, *run_args]
     launched = subprocess.run(
         [sys.executable, "-m", "spmd.cli", "launch", "-n", "2", "--", *run,
          "--output-json", str(output)],
@@ -64,5 +64,24 @@ def test_a_pipeline_across_two_processes_matches_one_device(tmp_path):
     got = json.loads(multi.read_text())["losses"]
     np.testing.assert_allclose(got, want, rtol=1e-5)
     # the second process printed the same losses as the first: it holds the loss too
+    for k, loss in enumerate(got):
+        assert f"[p1] step {k + 1:4d}  loss {loss:.6f}" in out, out[-2000:]
+
+
+def test_the_spmd_pipeline_across_two_processes_matches_one_device(tmp_path):
+    """pp_dp on a scanned GPT over cpu-2x4-pp: one program on both processes, the stack's
+    first half on the first process's devices, the second on the second's, microbatches
+    crossing by collective-permute between them; the one device's losses."""
+    multi = tmp_path / "multi.json"
+    out = _launch(multi, "--method", "pp_dp", "--steps", "2", "--mesh", "cpu-2x4-pp",
+                  model="gpt-tiny-scan")
+    assert "runtime SPMD (gpipe)" in out and "compiled program (the SPMD pipeline" in out
+    spec = zoo.get("gpt-tiny-scan")
+    net, opt = spec.training_state(0)
+    batch = spec.batch(spec.default_batch_size, 0)
+    ref_step = nnx.jit(spec.train_step)
+    want = [float(ref_step(net, opt, batch)["loss"]) for _ in range(2)]
+    got = json.loads(multi.read_text())["losses"]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
     for k, loss in enumerate(got):
         assert f"[p1] step {k + 1:4d}  loss {loss:.6f}" in out, out[-2000:]

@@ -52,7 +52,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from spmd.errors import PlanError
 from spmd.runtime.compile import placed
 from spmd.runtime.constrain import constrained, constraint_hooks
-from spmd.sharding import Spec, to_partition_spec
+from spmd.sharding import Spec, spread, to_partition_spec
 from spmd.trace.graph import SCAN, Graph, Scan, Value, value_key
 from spmd.trace.interpret import eval_jaxpr_with
 from spmd.trace.regions import Region
@@ -422,6 +422,11 @@ class StackedPipeline:
 
         # the loops' state, each with how it is laid out: (lead axes, spec of the rest)
         carry_specs = result_specs[:nk]
+        # a carry crosses in pieces no two devices of a stage share, and is gathered there
+        # (Megatron's scatter-gather; ``spmd.sharding.spread``)
+        inside = {a: n for a, n in self.mesh.shape.items() if a != self.stage_axis}
+        send_specs = [None if spec is None else spread(spec, a.shape, inside)
+                      for spec, a in zip(carry_specs, carry_avals)]
         box_layout = [(0, spec) for spec in carry_specs]
         held_layout = [(1, spec) for spec in carry_specs]
         ring_layout = held_layout if v > 1 else []
@@ -494,7 +499,8 @@ class StackedPipeline:
 
             out, held_, ring_, bufs = jax.vmap(one, spmd_axis_name=self.stage_axis)(
                 stage_ids, box, held_, ring_, bufs, *[x for x, _ in xs])
-            box = [self._shift(o, forward) for o in out]
+            box = [self._shift(self._constrain(o, 0, piece), forward)
+                   for o, piece in zip(out, send_specs)]
             return (laid_out(box, box_layout), laid_out(held_, held_layout),
                     laid_out(ring_, ring_layout), laid_out(bufs, bufs_layout)), None
 

@@ -15,7 +15,9 @@ loop state). The prediction prices:
 
 - the microbatch regions (before, between and after the stacks) once per microbatch;
 - each stack's loop: ``m v + p - 1`` ticks, each one chunk (``L / (p v)`` layers) of the
-  stack's time plus sending the carry to the next stage over the stage link; then the
+  stack's time plus sending the carry to the next stage over the stage link, each device a
+  piece no other of its stage sends (``spmd.sharding.spread``; the stage gathers it on its
+  own links, not priced, as for the MPMD runtime); then the
   stack's results (all microbatches') from the flow's last stage to the others;
 - the update, on the whole mesh (the stacked state split over the stages);
 - with ``v > 1``, the stacked parameters moved into the circular layout and their gradients
@@ -41,7 +43,7 @@ from spmd.runtime.stacked import (LayerStack, RegionLayout, StackedPipeline, fin
                                   stacked_leaves)
 from spmd.search.costgraph import InputInfo
 from spmd.search.regions import RegionCache, RegionPlan, search_region
-from spmd.sharding import Spec, bytes_per_device
+from spmd.sharding import Spec, bytes_per_device, spread_bytes
 from spmd.stages.plan import PipelinePlan, PipelinePrediction, StagePlan
 from spmd.stages.price import link_time
 from spmd.stages.schedule import schedule
@@ -159,10 +161,14 @@ def _predict(runtime: StackedPipeline, searched: dict[str, tuple[Region, RegionP
                                 stage_mesh.shape)
 
     def carry_bytes(name: str) -> int:
+        """What each device sends of a stack's carries: its piece (``spread_bytes``)."""
         region, plan = searched[name]
         scan = stack.forward if name == "forward stack" else stack.backward
-        nk = scan.eqn.params["num_carry"]
-        return sum(held(r, region, plan) for r in scan.results[:nk] if r is not None)
+        made = dict(zip(region.outputs, plan.result.output_specs))
+        return sum(spread_bytes(graph.value_shape(r), graph.value_dtype(r),
+                                made.get(r) or ((),) * len(graph.value_shape(r)),
+                                stage_mesh.shape)
+                   for r in scan.results[:scan.eqn.params["num_carry"]] if r is not None)
 
     stacks = ("forward stack", "backward stack")
     ticks = runtime.ticks
