@@ -24,13 +24,13 @@ LAYERS = [
     {"spmd.search.fusion", "spmd.search.layout", "spmd.search.costgraph", "spmd.search.encode",
      "spmd.search.predict", "spmd.search.intra_op", "spmd.search.regions",
      "spmd.search.memory_fit"},
-    {"spmd.stages.split", "spmd.stages.schedule", "spmd.stages.price",
+    {"spmd.stages.split", "spmd.stages.stack", "spmd.stages.schedule", "spmd.stages.price",
      "spmd.stages.dp"},  # the inter-op level
     {"spmd.plan", "spmd.explain", "spmd.logical", "spmd.manual", "spmd.stages.plan"},
-    {"spmd.planner", "spmd.cache", "spmd.stages.manual", "spmd.stages.auto",
-     "spmd.stages.levels"},
+    {"spmd.planner", "spmd.cache", "spmd.stages.stacked", "spmd.stages.manual",
+     "spmd.stages.auto", "spmd.stages.levels"},
     {"spmd.runtime.constrain", "spmd.runtime.compile", "spmd.runtime.nodes",
-     "spmd.runtime.pipeline", "spmd.runtime.transfer"},
+     "spmd.runtime.pipeline", "spmd.runtime.stacked", "spmd.runtime.transfer"},
     {"spmd.analysis.hlo", "spmd.analysis.reconcile", "spmd.analysis.report", "spmd.data"},
     {"spmd.api"},
     {"spmd.checkpoint"},  # a step's state on disk, restored into any plan's shardings

@@ -5,28 +5,23 @@ collective-permute. This is MaxText's pipeline, made from the user's step as wri
 step's own forward and backward scans over the stack are each replaced by a loop over
 microbatch ticks, so no model code changes.
 
-The step is traced at one microbatch (as for the MPMD runtime, ``spmd.runtime.pipeline``).
-Its op graph falls into
+The step is traced at one microbatch (as for the MPMD runtime, ``spmd.runtime.pipeline``)
+and seen in parts (``spmd.stages.stack``): ``before`` the stack, the forward stack,
+``between``, the backward stack, ``after``, and the ``update``. ``before``, ``between`` and
+``after`` run microbatch by microbatch (a loop): what later microbatch work reads is kept
+per microbatch, what only the update reads is summed as it goes.
 
-- ``before``: the microbatch ops that need neither layer scan (the embedding, masks);
-- the **forward stack**: the forward scan over the ``L`` layers;
-- ``between``: what reads the forward stack's results but not the backward one's (the
-  logits, the loss, their gradients);
-- the **backward stack**: the backward scan over the layers (``reverse``);
-- ``after``: what reads the backward stack's results (the embedding's gradient);
-- ``update``: the rest, once per step (the optimizer).
-
-``before``, ``between`` and ``after`` run once for all microbatches, vmapped over a leading
-microbatch axis. Each stack runs as a pipeline: layer ``l`` belongs to chunk
-``l // (L / (p v))`` and chunk ``c`` to stage ``c % p`` (``v`` repeats: the circular
-schedule; ``v = 1``: GPipe). At tick ``t`` the stage at position ``q`` along the flow (the
-first stage for the forward stack, the last for the backward one) works on step
-``k = t - q`` of its queue: microbatch ``k % m`` in repeat ``k // m``. All stages run the
-same chunk program at once, vmapped over a leading stage axis that the mesh's ``stage``
-axis shards, so each device runs only its own stage; then every stage's carry moves one
-stage along the flow (a collective-permute). ``m v + p - 1`` ticks; the idle ticks compute on
-clamped indices and their results are dropped. With ``v > 1`` the first stage keeps what
-comes back around the ring until its microbatch's next repeat (``m >= p`` needed).
+Each stack runs as a pipeline: layer ``l`` belongs to chunk ``l // (L / (p v))`` and chunk
+``c`` to stage ``c % p`` (``v`` repeats: the circular schedule; ``v = 1``: GPipe). At tick
+``t`` the stage at position ``q`` along the flow (the first stage for the forward stack, the
+last for the backward one) works on step ``k = t - q`` of its queue: microbatch ``k % m`` in
+repeat ``k // m``. All stages run the same chunk program at once, vmapped over a leading
+stage axis that the mesh's ``stage`` axis shards, so each device runs only its own stage;
+then every stage's carry moves one stage along the flow (a collective-permute). ``m v + p -
+1`` ticks; the idle ticks compute on clamped indices and their results are dropped. With
+``v > 1`` the first stage keeps what comes back around the ring until its microbatch's next
+repeat (``m >= p`` needed). Each part runs under its intra-op plan's sharding constraints
+(``RegionLayout``; a stack's body under the stage vmap, so each stage keeps its own part).
 
 The stack's per-layer values keep a stage layout, ``[p, v, L / (p v), ...]`` (per
 microbatch ``[p, m, v, L / (p v), ...]``): the forward stack's saved values stay on the
@@ -40,12 +35,10 @@ the batch: each data-parallel device keeps its own rows, with no exchange.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.extend.core import jaxpr_as_fun
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -53,11 +46,13 @@ from spmd.errors import PlanError
 from spmd.runtime.compile import placed
 from spmd.runtime.constrain import constrained, constraint_hooks
 from spmd.sharding import Spec, spread, to_partition_spec
-from spmd.trace.graph import SCAN, Graph, Scan, Value, value_key
+from spmd.stages.stack import RegionLayout, StackedStep, ticks
+from spmd.stages.split import UPDATE
+from spmd.trace.graph import SCAN, Scan, Value, value_key
 from spmd.trace.interpret import eval_jaxpr_with
 from spmd.trace.regions import Region
 
-__all__ = ["LayerStack", "RegionLayout", "StackedExecutable", "StackedPipeline", "find_stack", "stacked_leaves"]
+__all__ = ["StackedExecutable", "StackedPipeline"]
 
 # how a value is held inside the program
 SHARED = "shared"        # one value for all microbatches, as the step has it
@@ -67,167 +62,25 @@ STAGED_MICRO = "staged micro"  # [p, m, v, Lc, ...]
 STAGED_SUM = "staged sum"      # [p, v, Lc, ...] summed over microbatches
 
 
-@dataclasses.dataclass(frozen=True)
-class RegionLayout:
-    """How one part of the step is laid out, from its intra-op plan on one stage's devices
-    (the update's: on the whole mesh): the sharding constraints inside it, keyed by the
-    paths of its region's program; for a stack, the specs its scan's operands and results
-    get (the loops keep their state in them)."""
-
-    constraints: Mapping[str, Spec]
-    operands: Sequence[Spec | None] = ()
-    results: Sequence[Spec | None] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerStack:
-    """The step's scanned layer stack: its forward and backward scans over ``length``
-    layers."""
-
-    forward: Scan
-    backward: Scan
-    length: int
-
-
-def find_stack(graph: Graph, phase: Sequence[str]) -> LayerStack | None:
-    """The longest forward scan of the microbatch phase whose results a backward (reverse)
-    scan of the same length reads; None when the step has no such pair."""
-    from spmd.stages.split import BACKWARD, FORWARD
-
-    best = None
-    for fwd in graph.scans:
-        if not fwd.nodes or phase[fwd.nodes[0]] != FORWARD or fwd.eqn.params["reverse"]:
-            continue
-        length = int(fwd.eqn.params["length"])
-        made = {v for v in fwd.results if v is not None}
-        for bwd in graph.scans:
-            if (bwd.nodes and phase[bwd.nodes[0]] == BACKWARD and bwd.eqn.params["reverse"]
-                    and int(bwd.eqn.params["length"]) == length
-                    and any(v in made for v in bwd.operands)):
-                if best is None or len(fwd.nodes) > len(best.forward.nodes):
-                    best = LayerStack(fwd, bwd, length)
-    return best
-
-
-def stacked_leaves(graph: Graph, stack: LayerStack) -> set[int]:
-    """The step inputs that hold one entry per layer of the stack: those a stack's scan reads
-    as per-layer values, and every other input of one of their shapes and dtypes (the
-    optimizer's moments of a stacked parameter)."""
-    read = set()
-    for scan in (stack.forward, stack.backward):
-        first = scan.eqn.params["num_consts"] + scan.eqn.params["num_carry"]
-        for v in scan.operands[first:]:
-            if v is not None and graph.nodes[v.node].kind == "input":
-                read.add(graph.nodes[v.node].input_index)
-    shapes = {(graph.value_shape(Value(graph.inputs[i], 0)),
-               str(graph.value_dtype(Value(graph.inputs[i], 0)))) for i in read}
-    return {i for i, n in enumerate(graph.inputs)
-            if (graph.value_shape(Value(n, 0)), str(graph.value_dtype(Value(n, 0)))) in shapes}
-
-
-def _sums_for_the_update(graph: Graph, phase: Sequence[str]) -> list[str]:
-    """``phase`` with every microbatch sum (``add_any``, outside a scan) that only the
-    update reads moved to the update: a tied embedding's gradient is then summed over the
-    microbatches part by part (the head's on its own, the lookup's on its own) and added
-    once, instead of each part kept per microbatch until their sum."""
-    from spmd.stages.split import UPDATE
-
-    out = list(phase)
-    outputs = {v.node for v in graph.outputs if v is not None}
-    for n in reversed(graph.nodes):
-        if (n.kind == "op" and n.op.primitive == "add_any" and n.scan < 0
-                and out[n.id] != UPDATE and (n.consumers or n.id in outputs)
-                and all(out[c] == UPDATE for c in n.consumers)):
-            out[n.id] = UPDATE
-    return out
-
-
 class StackedPipeline:
-    """The step traced at one microbatch (``closed_jaxpr``, whose op graph is ``graph`` and
-    phases ``phase``) as one program over the whole batch: ``microbatches`` per step,
-    ``stages`` along mesh axis ``stage_axis``, ``repeats`` chunks per stage.
+    """A ``StackedStep`` as one program over the whole batch: ``microbatches`` per step,
+    ``stages`` along mesh axis ``stage_axis``, ``repeats`` chunks per stage; ``layouts``:
+    see the attribute."""
 
-    ``batch_inputs``: the leaves cut into microbatches; ``layouts``: see the attribute.
-    """
-
-    def __init__(self, graph: Graph, phase: Sequence[str], stack: LayerStack, *,
-                 microbatches: int, stages: int, repeats: int, stage_axis: str,
-                 batch_inputs: Sequence[int],
-                 layouts: Mapping[str, RegionLayout] | None = None):
-        m, p, v, L = microbatches, stages, repeats, stack.length
-        if L % (p * v):
-            raise PlanError(f"the scanned stack has {L} layers, which {p} stages x {v} "
-                            f"repeats cannot share equally; use a count of stages and "
-                            f"repeats whose product divides {L}")
-        if v > 1 and m < p:
-            raise PlanError(f"the circular schedule ({v} repeats) needs at least as many "
-                            f"microbatches as stages: {m} < {p}")
-        self.graph, self.stack = graph, stack
-        self.phase = _sums_for_the_update(graph, phase)
-        self.m, self.p, self.v, self.chunk = m, p, v, L // (p * v)
+    def __init__(self, step: StackedStep, *, microbatches: int, stages: int, repeats: int,
+                 stage_axis: str, layouts: Mapping[str, RegionLayout] | None = None):
+        step.check(microbatches, stages, repeats)
+        self.step = step
+        self.graph, self.stack, self.phase = step.graph, step.stack, step.phase
+        self.varies, self.parts, self.batch_inputs = step.varies, step.parts, step.batch_inputs
+        m, p, v = microbatches, stages, repeats
+        self.m, self.p, self.v, self.chunk = m, p, v, step.stack.length // (p * v)
+        self.ticks = ticks(m, v, p)
         self.stage_axis = stage_axis
         #: per part ("before", "between", "after", "update", "forward stack",
         #: "backward stack"), how its plan lays it out (none: as XLA propagates)
         self.layouts = dict(layouts or {})
         self.mesh: jax.sharding.Mesh | None = None  # set by ``function``
-        self.batch_inputs = set(batch_inputs)
-        self.varies = self._varies()
-        self.parts = self._parts()
-
-    @property
-    def ticks(self) -> int:
-        """Ticks of one stack's loop: ``m v + p - 1``."""
-        return self.m * self.v + self.p - 1
-
-    # -- analysis ----------------------------------------------------------------------
-    def _scan_of(self, n: int) -> Scan | None:
-        node = self.graph.nodes[n]
-        return self.graph.scans[node.scan] if node.scan >= 0 else None
-
-    def _operands(self, n: int) -> list[Value]:
-        scan = self._scan_of(n)
-        operands = scan.operands if scan is not None else self.graph.nodes[n].operands
-        return [v for v in operands if v is not None]
-
-    def _varies(self) -> list[bool]:
-        """Per node: whether its values differ between microbatches (they depend on a batch
-        input)."""
-        graph = self.graph
-        varies = [False] * len(graph.nodes)
-        for n in graph.nodes:
-            if n.kind == "input":
-                varies[n.id] = n.input_index in self.batch_inputs
-            elif n.kind == "op":
-                varies[n.id] = any(varies[v.node] for v in self._operands(n.id))
-        return varies
-
-    def _parts(self) -> dict[str, Region]:
-        """The regions ``before``, ``between``, ``after`` and ``update`` (those with ops)."""
-        from spmd.stages.split import UPDATE
-
-        graph, stack = self.graph, self.stack
-        fwd, bwd = set(stack.forward.nodes), set(stack.backward.nodes)
-        after_f = [False] * len(graph.nodes)
-        after_b = [False] * len(graph.nodes)
-        members: dict[str, list[int]] = {"before": [], "between": [], "after": [], "update": []}
-        for n in graph.nodes:
-            if n.kind != "op":
-                continue
-            if n.id in fwd or n.id in bwd:
-                after_f[n.id] = True
-                after_b[n.id] = n.id in bwd
-                continue
-            ops = self._operands(n.id)
-            after_f[n.id] = any(after_f[v.node] for v in ops)
-            after_b[n.id] = any(after_b[v.node] for v in ops)
-            part = ("update" if self.phase[n.id] == UPDATE else "after" if after_b[n.id]
-                    else "between" if after_f[n.id] else "before")
-            members[part].append(n.id)
-        for n in members["before"]:
-            if after_f[n]:  # cannot happen by construction; a guard for the regions' order
-                raise PlanError(f"op {graph.nodes[n].key} runs before the layer stack but "
-                                f"reads it")
-        return {name: Region(graph, nodes) for name, nodes in members.items() if nodes}
 
     # -- the program ---------------------------------------------------------------------
     def function(self, mesh: jax.sharding.Mesh) -> Callable[..., list[Any]]:
@@ -305,7 +158,7 @@ class StackedPipeline:
         region = self.parts[name]
         fn = self._program(name)
         read = [self._micro(v, env) for v in region.inputs]
-        kept = [self.kept_per_microbatch(v) if self.varies[v.node] else None
+        kept = [self.step.kept_per_microbatch(v) if self.varies[v.node] else None
                 for v in region.outputs]
         avals = [jax.ShapeDtypeStruct(self.graph.value_shape(v), self.graph.value_dtype(v))
                  for v in region.outputs]
@@ -334,13 +187,6 @@ class StackedPipeline:
         if layout is None:
             return jaxpr_as_fun(program)
         return constrained(program, layout.constraints, self.mesh)
-
-    def kept_per_microbatch(self, v: Value) -> bool:
-        """Whether a microbatch region's varying result is read by microbatch work (kept
-        per microbatch) rather than only by the update or as the step's result (summed)."""
-        from spmd.stages.split import UPDATE
-
-        return any(self.phase[c] != UPDATE for c in self.graph.nodes[v.node].consumers)
 
     # -- stage layout ----------------------------------------------------------------------
     def _stage(self, x: Any) -> Any:
@@ -397,7 +243,7 @@ class StackedPipeline:
 
     # -- one stack as a pipeline ---------------------------------------------------------------
     def _run_stack(self, scan: Scan, env: dict, forward: bool) -> None:
-        graph, eqn = self.graph, scan.eqn
+        eqn = scan.eqn
         m, p, v, c = self.m, self.p, self.v, self.chunk
         nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
         reverse = bool(eqn.params["reverse"])
@@ -548,8 +394,6 @@ class StackedPipeline:
         """How a stack's per-layer result is kept: per microbatch where a microbatch region
         or the backward stack reads it, summed where only the update (or the step's result)
         does, once where no microbatch changes it."""
-        from spmd.stages.split import UPDATE
-
         if y is None or not self.varies[y.node]:
             return STAGED
         readers = [c for c in self.graph.nodes[y.node].consumers]
@@ -565,19 +409,11 @@ class StackedExecutable:
     def __init__(self, plan: Any, donate: bool | None = None):
         """``donate`` (default: True for NNX steps, whose state spmd writes back, as
         ``spmd.runtime.compile.prepare`` does): the new state reuses the old one's buffers."""
-        from spmd.stages.split import LayeredStep
-
         self.plan = plan
-        sig, micro = plan.signature, plan.micro
-        layered = LayeredStep(micro.jaxpr, 1)
-        stack = find_stack(layered.graph, layered.phase)
-        if stack is None:
-            raise PlanError("the SPMD pipeline runtime found no scanned layer stack in the step")
+        sig = plan.signature
         self.pipeline = StackedPipeline(
-            layered.graph, layered.phase, stack, microbatches=plan.microbatches,
-            stages=len(plan.stages), repeats=plan.repeats,
-            stage_axis=plan.stage_axis, layouts=plan.layouts,
-            batch_inputs=[i for i, leaf in enumerate(sig.leaves) if leaf.kind == "batch"])
+            plan.stacked, microbatches=plan.microbatches, stages=len(plan.stages),
+            repeats=plan.repeats, stage_axis=plan.stage_axis, layouts=plan.layouts)
         self.shardings = plan.input_shardings_flat()
         aliased = dict(sig.output_aliases)
         donate = donate if donate is not None else sig.graphdef is not None

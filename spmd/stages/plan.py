@@ -110,8 +110,9 @@ class PipelinePlan:
     repeats: int = 1
     specs: list[Spec] | None = None
     stage_axis: str = "stage"
-    #: the SPMD runtime's parts of the step, each as its intra-op plan lays it out
-    #: (``spmd.runtime.stacked.RegionLayout``)
+    #: the SPMD runtime's step around its layer stack (``spmd.stages.stack.StackedStep``)
+    #: and its parts, each as its intra-op plan lays it out (``RegionLayout``)
+    stacked: Any = dataclasses.field(default=None, repr=False)
     layouts: dict[str, Any] | None = None
 
     @property

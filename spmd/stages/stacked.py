@@ -39,8 +39,8 @@ from typing import Sequence
 from spmd.cluster.mesh import DeviceMesh, Link
 from spmd.errors import PlanError
 from spmd.options import SearchOptions
-from spmd.runtime.stacked import (LayerStack, RegionLayout, StackedPipeline, find_stack,
-                                  stacked_leaves)
+from spmd.stages.stack import (LayerStack, RegionLayout, StackedStep, find_stack,
+                               stacked_leaves, ticks)
 from spmd.search.costgraph import InputInfo
 from spmd.search.regions import RegionCache, RegionPlan, search_region
 from spmd.sharding import Spec, bytes_per_device, spread_bytes
@@ -52,12 +52,7 @@ from spmd.trace.graph import Graph, Scan, Value
 from spmd.trace.regions import Region
 from spmd.trace.signature import StepSignature
 
-__all__ = ["check_runtime", "global_specs", "plan_stacked_pipeline", "stack_of"]
-
-
-def stack_of(layered: LayeredStep) -> LayerStack | None:
-    """The step's scanned layer stack, if it has one (``find_stack``)."""
-    return find_stack(layered.graph, layered.phase)
+__all__ = ["check_runtime", "global_specs", "plan_stacked_pipeline"]
 
 
 def global_specs(graph: Graph, stack: LayerStack, specs: Sequence[Spec],
@@ -87,10 +82,9 @@ def plan_stacked_pipeline(full: StepSignature, micro: StepSignature, layered: La
     pipe = options.pipeline
     p, m, v = len(meshes), microbatches, pipe.repeats
     L, graph = stack.length, layered.graph
-    runtime = StackedPipeline(graph, layered.phase, stack, microbatches=m, stages=p,
-                              repeats=v, stage_axis=pipe.stage_axis,
-                              batch_inputs=[i for i, leaf in enumerate(micro.leaves)
-                                            if leaf.kind == "batch"])
+    step = StackedStep(graph, layered.phase, stack,
+                       [i for i, leaf in enumerate(micro.leaves) if leaf.kind == "batch"])
+    step.check(m, p, v)
     scoring = dataclasses.replace(options, time_limit=options.scoring()[0])
     whole_specs = global_specs(graph, stack, specs, pipe.stage_axis)
 
@@ -102,12 +96,12 @@ def plan_stacked_pipeline(full: StepSignature, micro: StepSignature, layered: La
 
     regions = {"forward stack": Region(graph, stack.forward.nodes),
                "backward stack": Region(graph, stack.backward.nodes),
-               **{k: r for k, r in runtime.parts.items() if k != "update"}}
+               **{k: r for k, r in step.parts.items() if k != "update"}}
     searched = {name: (region, planned(region, meshes[0], specs))
                 for name, region in regions.items()}
     # the update on the whole mesh: the stacked state split over the stages
-    update = planned(runtime.parts["update"], mesh, whole_specs) if (
-        "update" in runtime.parts) else None
+    update = planned(step.parts["update"], mesh, whole_specs) if (
+        "update" in step.parts) else None
     layouts = {name: (_stack_layout(stack.forward if name.startswith("forward")
                                     else stack.backward, region, plan)
                       if name.endswith("stack") else RegionLayout(plan.result.constraints))
@@ -127,9 +121,10 @@ def plan_stacked_pipeline(full: StepSignature, micro: StepSignature, layered: La
                             + (f" in {v} chunks of {chunk} taken in turn" if v > 1 else "")
                             + ", microbatches moved by collective-permute; everything else "
                             "of the step runs on every stage"),
-                        specs=whole_specs, stage_axis=pipe.stage_axis, layouts=layouts)
-    plan.prediction = _predict(runtime, searched, update, micro, meshes[0], mesh, specs,
-                               whole_specs, mesh.link(pipe.stage_axis) if p > 1 else None)
+                        specs=whole_specs, stage_axis=pipe.stage_axis, stacked=step,
+                        layouts=layouts)
+    plan.prediction = _predict(step, (m, p, v), searched, update, micro, meshes[0], mesh,
+                               specs, whole_specs, mesh.link(pipe.stage_axis) if p > 1 else None)
     return plan
 
 
@@ -143,13 +138,15 @@ def _stack_layout(scan: Scan, region: Region, plan: RegionPlan) -> RegionLayout:
                         [made.get(v) if v is not None else None for v in scan.results])
 
 
-def _predict(runtime: StackedPipeline, searched: dict[str, tuple[Region, RegionPlan]],
-             update: RegionPlan | None, micro: StepSignature, stage_mesh: DeviceMesh,
-             mesh: DeviceMesh, specs: Sequence[Spec], whole_specs: Sequence[Spec],
-             link: Link | None) -> PipelinePrediction:
-    """Time and memory of the SPMD pipeline (module docstring), from each part's plan."""
-    graph, stack = runtime.graph, runtime.stack
-    p, m, v = runtime.p, runtime.m, runtime.v
+def _predict(step: StackedStep, counts: tuple[int, int, int],
+             searched: dict[str, tuple[Region, RegionPlan]], update: RegionPlan | None,
+             micro: StepSignature, stage_mesh: DeviceMesh, mesh: DeviceMesh,
+             specs: Sequence[Spec], whole_specs: Sequence[Spec], link: Link | None
+             ) -> PipelinePrediction:
+    """Time and memory of the SPMD pipeline (module docstring) with ``counts``: microbatches,
+    stages and repeats, from each part's plan."""
+    graph, stack = step.graph, step.stack
+    m, p, v = counts
     time = {k: plan.prediction.total_time for k, (_, plan) in searched.items()}
 
     def held(value: Value, region: Region, plan: RegionPlan, output: bool = True) -> int:
@@ -171,13 +168,13 @@ def _predict(runtime: StackedPipeline, searched: dict[str, tuple[Region, RegionP
                    for r in scan.results[:scan.eqn.params["num_carry"]] if r is not None)
 
     stacks = ("forward stack", "backward stack")
-    ticks = runtime.ticks
+    loop_ticks = ticks(m, v, p)
     # each loop: a chunk of its stack per tick, then the carries one stage along; then its
     # results from the last stage of the flow to every stage
-    loops = sum(ticks * (time[k] / (p * v) + link_time(carry_bytes(k), link))
+    loops = sum(loop_ticks * (time[k] / (p * v) + link_time(carry_bytes(k), link))
                 + link_time(m * carry_bytes(k), link) for k in stacks)
     span = m * sum(time.get(k, 0.0) for k in ("before", "between", "after")) + loops
-    bubble = (ticks - m * v) * sum(time[k] for k in stacks) / (p * v)
+    bubble = (loop_ticks - m * v) * sum(time[k] for k in stacks) / (p * v)
     stacked = stacked_leaves(graph, stack)
     stacked_params = sum(bytes_per_device(leaf.shape, leaf.dtype, spec, mesh.shape)
                          for i, (leaf, spec) in enumerate(zip(micro.leaves, whole_specs))
@@ -200,7 +197,7 @@ def _predict(runtime: StackedPipeline, searched: dict[str, tuple[Region, RegionP
                         if r in saved and r not in carries) / p
     kept = sum(m * held(r, region, plan) for name, (region, plan) in searched.items()
                if not name.endswith("stack") for r in region.outputs
-               if runtime.varies[r.node] and runtime.kept_per_microbatch(r))
+               if step.varies[r.node] and step.kept_per_microbatch(r))
     work = 0.0
     for name, (region, plan) in searched.items():  # a part's peak beyond what it reads
         reads = sum(held(r, region, plan, output=False) for r in region.inputs)
@@ -211,8 +208,8 @@ def _predict(runtime: StackedPipeline, searched: dict[str, tuple[Region, RegionP
     memory = state + batch + grads + relaid + residuals + kept + max(work, update_work)
     comm = (m * sum(plan.prediction.comm_time for k, (_, plan) in searched.items()
                     if k not in stacks)
-            + ticks * sum(searched[k][1].prediction.comm_time for k in stacks) / (p * v))
-    transfers = tuple((f"{k}'s carry", float(carry_bytes(k)), ticks)
+            + loop_ticks * sum(searched[k][1].prediction.comm_time for k in stacks) / (p * v))
+    transfers = tuple((f"{k}'s carry", float(carry_bytes(k)), loop_ticks)
                       for k in stacks if p > 1)
     return PipelinePrediction(span, update_time, copy_time, bubble, memory, (memory,) * p,
                               comm, transfers)
@@ -225,7 +222,7 @@ def check_runtime(layered: LayeredStep, stages: int, options: SearchOptions
     pipe = options.pipeline
     if pipe.runtime == "mpmd":
         return None
-    stack = stack_of(layered)
+    stack = find_stack(layered.graph, layered.phase)
     share = stages * pipe.repeats
     if stack is not None and stack.length % share == 0:
         return stack
