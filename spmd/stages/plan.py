@@ -54,6 +54,8 @@ class PipelinePrediction:
     #: the SPMD runtime's moves between stages: (what moves, bytes each device sends each
     #: time, times per step); one collective-permute each
     transfers: tuple[tuple[str, float, int], ...] = ()
+    #: the SPMD runtime's parts: seconds of each (per microbatch; a stack's: per chunk)
+    parts: tuple[tuple[str, float], ...] = ()
 
     @property
     def total_time(self) -> float:
@@ -198,6 +200,8 @@ class PipelinePlan:
                 continue
             out.write(f"{s:5d}  {st.start:>3}-{st.stop - 1:<3}  {_devices(st.mesh):<28} "
                       f"{st.method:<8} {cells}\n")
+        if self.runtime == "spmd":
+            out.write(self._stacked_parts())
         if any(st.cost is not None and st.cost.recompute for st in self.stages):
             out.write("recompute: the stage keeps of each microbatch only what other stages "
                       "sent it, and its backward task runs its forward ops again (it would "
@@ -229,11 +233,30 @@ class PipelinePlan:
         return f"circular ({self.repeats} repeats)" if self.repeats > 1 else "gpipe"
 
     def _stacked_row(self, st: StagePlan, s: int) -> str:
-        """A stage of the SPMD runtime: the stack's layers it runs, its devices, its plan."""
+        """A stage of the SPMD runtime: the stack's layers it runs, its devices, its plan,
+        a chunk's forward and backward time per microbatch, the update, the memory (every
+        stage alike), and what it sends per tick."""
         p, width = len(self.stages), st.stop - st.start
         chunks = ", ".join(f"{st.start + r * p * width}-{st.stop - 1 + r * p * width}"
                            for r in range(self.repeats))
-        return f"{s:5d}  {chunks:>7}  {_devices(st.mesh):<28} {st.method:<8}\n"
+        row = f"{s:5d}  {chunks:>7}  {_devices(st.mesh):<28} {st.method:<8}"
+        pred = self.prediction
+        if pred is None:
+            return row + "\n"
+        part = dict(pred.parts)
+        sent = sum(nbytes for _, nbytes, _ in pred.transfers)
+        return (f"{row} {part.get('forward stack', 0.0) * 1e3:8.3f} "
+                f"{part.get('backward stack', 0.0) * 1e3:8.3f} {pred.update_time * 1e3:9.3f} "
+                f"{self.microbatches:4d} {pred.stage_memory[s] / 2**30:7.3f} "
+                f"{sent / 1e6:8.2f}  no\n")
+
+    def _stacked_parts(self) -> str:
+        """The SPMD runtime's work outside the stack, per microbatch, on every stage."""
+        part = dict(self.prediction.parts) if self.prediction is not None else {}
+        outside = [f"{name} {part[name] * 1e3:.3f} ms" for name in ("before", "between", "after")
+                   if name in part]
+        return ("outside the stack, per microbatch on every stage: " + ", ".join(outside)
+                + "\n") if outside else ""
 
     def search_summary(self) -> str:
         """How the stage search went, in a line ("" for a plan not searched)."""

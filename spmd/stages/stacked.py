@@ -200,19 +200,24 @@ def _predict(step: StackedStep, counts: tuple[int, int, int],
                if step.varies[r.node] and step.kept_per_microbatch(r))
     work = 0.0
     for name, (region, plan) in searched.items():  # a part's peak beyond what it reads
-        reads = sum(held(r, region, plan, output=False) for r in region.inputs)
-        share = 1.0 / (p * v) if name in stacks else 1.0  # a chunk of a stack at a time
-        work = max(work, max(plan.prediction.memory_bytes - reads, 0.0) * share)
+        beyond = plan.prediction.memory_bytes - sum(
+            held(r, region, plan, output=False) for r in region.inputs)
+        if name in stacks:  # a chunk at a time, each layer's results written in place into
+            beyond -= sum(held(r, region, plan) for r in region.outputs)  # the loop's buffers
+            beyond /= p * v
+        work = max(work, beyond)
     update_time = update.prediction.total_time if update is not None else 0.0
     update_work = update.prediction.memory_bytes - state if update is not None else 0.0
-    memory = state + batch + grads + relaid + residuals + kept + max(work, update_work)
+    # the loops hold the saved values, the update (after them) its own working set
+    memory = state + batch + grads + relaid + max(residuals + kept + work, update_work)
     comm = (m * sum(plan.prediction.comm_time for k, (_, plan) in searched.items()
                     if k not in stacks)
             + loop_ticks * sum(searched[k][1].prediction.comm_time for k in stacks) / (p * v))
     transfers = tuple((f"{k}'s carry", float(carry_bytes(k)), loop_ticks)
                       for k in stacks if p > 1)
+    parts = tuple((k, t / (p * v) if k in stacks else t) for k, t in time.items())
     return PipelinePrediction(span, update_time, copy_time, bubble, memory, (memory,) * p,
-                              comm, transfers)
+                              comm, transfers, parts)
 
 
 def check_runtime(layered: LayeredStep, stages: int, options: SearchOptions
