@@ -45,7 +45,7 @@ from spmd.search.costgraph import InputInfo
 from spmd.search.regions import RegionCache, RegionPlan, search_region
 from spmd.sharding import Spec, bytes_per_device, spread_bytes
 from spmd.stages.plan import PipelinePlan, PipelinePrediction, StagePlan
-from spmd.stages.price import link_time
+from spmd.stages.price import UNBOUNDED, link_time
 from spmd.stages.schedule import schedule
 from spmd.stages.split import LayeredStep
 from spmd.trace.graph import Graph, Scan, Value
@@ -85,14 +85,25 @@ def plan_stacked_pipeline(full: StepSignature, micro: StepSignature, layered: La
     step = StackedStep(graph, layered.phase, stack,
                        [i for i, leaf in enumerate(micro.leaves) if leaf.kind == "batch"])
     step.check(m, p, v)
-    scoring = dataclasses.replace(options, time_limit=options.scoring()[0])
+    # Every step input is pinned: each part's search is timed as a scoring, and under no
+    # budget of its own (a stack's region holds all its layers; the pipeline's memory is
+    # judged as a whole, ``_predict``). One that finds nothing so soon gets the full time.
+    scoring = dataclasses.replace(options, time_limit=options.scoring()[0],
+                                  memory_budget=UNBOUNDED)
     whole_specs = global_specs(graph, stack, specs, pipe.stage_axis)
 
     def planned(region: Region, on: DeviceMesh, chosen: Sequence[Spec]) -> RegionPlan:
-        return search_region(region, on, step_inputs=[
-            InputInfo(leaf.path, leaf.shape, leaf.dtype, leaf.kind, spec)
-            for leaf, spec in zip(micro.leaves, chosen)],
-            output_aliases=micro.output_aliases, options=scoring, cache=cache)
+        inputs = [InputInfo(leaf.path, leaf.shape, leaf.dtype, leaf.kind, spec)
+                  for leaf, spec in zip(micro.leaves, chosen)]
+        try:
+            return search_region(region, on, step_inputs=inputs,
+                                 output_aliases=micro.output_aliases, options=scoring,
+                                 cache=cache)
+        except PlanError:
+            return search_region(region, on, step_inputs=inputs,
+                                 output_aliases=micro.output_aliases, cache=cache,
+                                 options=dataclasses.replace(scoring,
+                                                             time_limit=options.time_limit))
 
     regions = {"forward stack": Region(graph, stack.forward.nodes),
                "backward stack": Region(graph, stack.backward.nodes),
