@@ -66,6 +66,8 @@ def run_case(model: str, mesh_name: str) -> dict[str, Any]:
             plan = spmd.plan(spec.train_step, *abstract, batch, mesh=mesh, method="pp_tp",
                              options=spmd.SearchOptions(pipeline=pipeline))
             entry = {"runtime": plan.runtime, "schedule": name, "repeats": repeats,
+                     "recompute": plan.recompute or any(
+                         st.cost is not None and st.cost.recompute for st in plan.stages),
                      "plan_s": time.perf_counter() - start,
                      "predicted_ms": plan.prediction.total_time * 1e3,
                      "bubble": plan.prediction.bubble_fraction,
@@ -103,7 +105,8 @@ def _subprocess(model: str, mesh: str, timeout: float) -> dict[str, Any]:
 
 
 def render(data: dict[str, Any]) -> str:
-    headers = ["model", "mesh", "runtime", "schedule", "predicted ms", "bubble (formula)",
+    headers = ["model", "mesh", "runtime", "schedule", "recompute", "predicted ms",
+               "bubble (formula)",
                "predicted GiB", "compiled GiB (XLA:CPU)", "ratio", "loop permutes: HLO",
                "predicted", "plan s", "compile s"]
     rows = []
@@ -117,7 +120,8 @@ def render(data: dict[str, Any]) -> str:
             rows.append([
                 case["model"], f"{case['mesh']} ({case['stages']} stages, "
                                f"{case['microbatches']} microbatches)",
-                e["runtime"], e["schedule"], f"{e['predicted_ms']:.0f}",
+                e["runtime"], e["schedule"], "yes" if e.get("recompute") else "no",
+                f"{e['predicted_ms']:.0f}",
                 f"{e['bubble']:.1%} ({e['bubble_formula']:.1%})", f"{e['predicted_gib']:.2f}",
                 "" if compiled is None else f"{compiled:.2f}",
                 "" if compiled is None else f"{compiled / e['predicted_gib']:.2f}",
@@ -131,7 +135,9 @@ def render(data: dict[str, Any]) -> str:
         "`pp_tp` with one stage per host (Megatron inside each), 2x the stages microbatches. "
         "The SPMD runtime runs the scanned stack as one program (GPipe, or circular with 2 "
         "chunks per stage); the MPMD row is the same model unrolled, run one program per "
-        "stage and phase with 1F1B. Compiled: the SPMD program on as many simulated CPU "
+        "stage and phase with 1F1B. Recompute: where a plan would not fit 40 GB, its stages "
+        "(the SPMD plan: all; MPMD: those over) run their forward again in the backward. "
+        "Compiled: the SPMD program on as many simulated CPU "
         "devices; its loops' collective-permutes as (bytes per device, runs per step).", "",
         common.markdown_table(headers, rows), ""])
 

@@ -60,15 +60,45 @@ MICRO = "micro"          # [m, ...]: one per microbatch
 STAGED = "staged"        # [p, v, Lc, ...]: a per-layer value in stage layout
 STAGED_MICRO = "staged micro"  # [p, m, v, Lc, ...]
 STAGED_SUM = "staged sum"      # [p, v, Lc, ...] summed over microbatches
+RECOMPUTED = "recomputed"      # a saved value not kept: the backward tick makes it again
+
+
+class _Replay:
+    """The forward stack as the backward one runs a chunk of it again (recompute): its layer
+    body, per-microbatch constants and per-layer inputs, and what entered each chunk."""
+
+    def __init__(self, body, consts, xs, entered, chunk: int, num_carry: int):
+        self.body, self.consts, self.chunk, self.num_carry = body, consts, chunk, num_carry
+        self.xs = xs
+        self.entered = entered
+        #: what the backward loop's stage vmap hands each stage: its share of these
+        self.arrays = [entered, [x for x, _ in xs]]
+
+    def __call__(self, arrays, j, rep) -> dict[int, tuple[Any, None]]:
+        """Chunk ``rep`` of microbatch ``j`` on one stage, run forward again from what
+        entered it: every per-layer result, by its index, as ``[layer of the chunk, ...]``."""
+        entered, xs = arrays
+        consts = [x[j] if has else x for x, has in self.consts]
+        sources = [(x, has) for x, (_, has) in zip(xs, self.xs)]
+
+        def layer(carry, i):
+            outs = self.body(*consts, *carry,
+                             *[x[j, rep, i] if has else x[rep, i] for x, has in sources])
+            return list(outs[:self.num_carry]), list(outs[self.num_carry:])
+
+        _, ys = jax.lax.scan(layer, [e[j, rep] for e in entered],
+                             jnp.arange(self.chunk, dtype=jnp.int32))
+        return {k: (y, None) for k, y in enumerate(ys)}
 
 
 class StackedPipeline:
     """A ``StackedStep`` as one program over the whole batch: ``microbatches`` per step,
-    ``stages`` along mesh axis ``stage_axis``, ``repeats`` chunks per stage; ``layouts``:
-    see the attribute."""
+    ``stages`` along mesh axis ``stage_axis``, ``repeats`` chunks per stage; ``layouts``,
+    ``recompute``: see the attributes."""
 
     def __init__(self, step: StackedStep, *, microbatches: int, stages: int, repeats: int,
-                 stage_axis: str, layouts: Mapping[str, RegionLayout] | None = None):
+                 stage_axis: str, layouts: Mapping[str, RegionLayout] | None = None,
+                 recompute: bool = False):
         step.check(microbatches, stages, repeats)
         self.step = step
         self.graph, self.stack, self.phase = step.graph, step.stack, step.phase
@@ -81,6 +111,10 @@ class StackedPipeline:
         #: "backward stack"), how its plan lays it out (none: as XLA propagates)
         self.layouts = dict(layouts or {})
         self.mesh: jax.sharding.Mesh | None = None  # set by ``function``
+        #: the forward stack keeps of its saved values only what each chunk started from,
+        #: and the backward tick runs the chunk's forward again first (GPipe's remat)
+        self.recompute = recompute
+        self._replay: _Replay | None = None
 
     # -- the program ---------------------------------------------------------------------
     def function(self, mesh: jax.sharding.Mesh) -> Callable[..., list[Any]]:
@@ -254,17 +288,26 @@ class StackedPipeline:
         per_layer = lambda spec: None if spec is None else spec[1:]  # noqa: E731 (no L dim)
         consts = [self._micro(x, env) for x in scan.operands[:nc]]
         inits = [self._micro(x, env) for x in scan.operands[nc:nc + nk]]
-        xs = []
+        # per-layer inputs: an array in stage layout (and whether per microbatch), or the
+        # index of a forward result the backward tick makes again (recompute)
+        xs: list[tuple[Any, bool] | int] = []
         for x, spec in zip(scan.operands[nc + nk:], operand_specs[nc + nk:]):
+            kind = self._read(x, env)[1]
+            if kind == RECOMPUTED:
+                xs.append(self._read(x, env)[0])
+                continue
             staged, has = self._staged(x, env)
-            if self._read(x, env)[1] in (STAGED, STAGED_MICRO):  # the forward stack's, kept
-                xs.append((staged, has))  # as it made them: each layer's slice moves alone
+            if kind in (STAGED, STAGED_MICRO):  # the forward stack's, kept as it made them:
+                xs.append((staged, has))        # each layer's slice moves alone
             else:
                 xs.append((self._constrain(staged, 3 if has else 2, per_layer(spec)), has))
+        arrays = [x for x in xs if not isinstance(x, int)]
+        replay = self._replay if not forward and any(isinstance(x, int) for x in xs) else None
         carry_avals = [var.aval for var in eqn.outvars[:nk]]
         ys_avals = [var.aval for var in eqn.outvars[nk:]]
         ys_values = list(scan.results[nk:])
         modes = [self._ys_mode(y, forward) for y in ys_values]
+        kept = [k for k, mode in enumerate(modes) if mode != RECOMPUTED]
 
         # the loops' state, each with how it is laid out: (lead axes, spec of the rest)
         carry_specs = result_specs[:nk]
@@ -276,8 +319,11 @@ class StackedPipeline:
         box_layout = [(0, spec) for spec in carry_specs]
         held_layout = [(1, spec) for spec in carry_specs]
         ring_layout = held_layout if v > 1 else []
-        bufs_layout = [(3, per_layer(spec)) if mode == STAGED_MICRO else (2, per_layer(spec))
-                       for mode, spec in zip(modes, result_specs[nk:])]
+        bufs_layout = [(3, per_layer(result_specs[nk + k])) if modes[k] == STAGED_MICRO
+                       else (2, per_layer(result_specs[nk + k])) for k in kept]
+        # recompute: what enters each chunk, per microbatch and repeat, for the backward
+        entered_layout = [(2, spec) for spec in carry_specs] if (
+            forward and RECOMPUTED in modes) else []
 
         def laid_out(arrays, layout):
             return [self._constrain(a, lead, spec) for a, (lead, spec) in zip(arrays, layout)]
@@ -287,20 +333,25 @@ class StackedPipeline:
                         held_layout)  # the exit's results
         ring = laid_out([jnp.zeros((p, m, *a.shape), a.dtype) for a in carry_avals],
                         ring_layout)
-        ys_bufs = laid_out([jnp.zeros((p, m, v, c, *a.shape[1:]) if mode == STAGED_MICRO
-                                      else (p, v, c, *a.shape[1:]), a.dtype)
-                            for a, mode in zip(ys_avals, modes)], bufs_layout)
+        ys_bufs = laid_out([jnp.zeros((p, m, v, c, *ys_avals[k].shape[1:])
+                                      if modes[k] == STAGED_MICRO
+                                      else (p, v, c, *ys_avals[k].shape[1:]), ys_avals[k].dtype)
+                            for k in kept], bufs_layout)
+        entered = laid_out([jnp.zeros((p, m, v, *a.shape), a.dtype) for a in carry_avals],
+                           entered_layout)
         stage_ids = self._constrain(jnp.arange(p, dtype=jnp.int32), 0, None)
 
-        def chunk(cs, carry, xs_s, bufs, j, rep, valid):
+        def chunk(cs, carry, read, bufs, j, rep, valid):
             """One stage's chunk for microbatch ``j``: its layers in turn, each reading its
-            own slice of the per-layer inputs and writing its results in place (slicing the
-            chunk's share out first would copy it: a microbatch's saved values, again)."""
+            own slice of the per-layer inputs (``read(i)``) and writing its results in place
+            (slicing the chunk's share out first would copy it: a microbatch's saved values,
+            again)."""
             def layer(state, i):
                 cr, bufs = state
-                outs = body(*cs, *cr, *[x[j, rep, i] if has else x[rep, i] for x, has in xs_s])
+                outs = body(*cs, *cr, *read(i))
                 new = []
-                for buf, y, mode in zip(bufs, outs[nk:], modes):
+                for buf, k in zip(bufs, kept):
+                    y, mode = outs[nk + k], modes[k]
                     if mode == STAGED_MICRO:
                         new.append(buf.at[j, rep, i].set(jnp.where(valid, y, buf[j, rep, i])))
                     elif mode == STAGED_SUM:
@@ -314,7 +365,7 @@ class StackedPipeline:
                                             order.astype(jnp.int32))
             return carry, bufs
 
-        def stage_tick(s, box, held_s, ring_s, bufs, xs_s, t):
+        def stage_tick(s, box, held_s, ring_s, bufs, entered_s, xs_s, replayed_s, t):
             pos = s if forward else p - 1 - s
             k = t - pos
             valid = (k >= 0) & (k < m * v)
@@ -330,35 +381,59 @@ class StackedPipeline:
             fresh = [x[j] if has else x for x, has in inits]
             start = [jnp.where(entry, jnp.where(r == 0, f, ring_s[n][j]) if v > 1 else f, b)
                      for n, (f, b) in enumerate(zip(fresh, box))]
+            entered_s = [e.at[j, rep].set(jnp.where(valid, x, e[j, rep]))
+                         for e, x in zip(entered_s, start)]
+            local = replay(replayed_s, j, rep) if replay is not None else []
+            given = iter(xs_s)
+            sources = [local[x] if isinstance(x, int) else (next(given), x[1]) for x in xs]
+
+            def read(i):
+                return [x[i] if has is None else x[j, rep, i] if has else x[rep, i]
+                        for x, has in sources]
+
             cs = [x[j] if has else x for x, has in consts]
-            out, new_bufs = chunk(cs, start, xs_s, bufs, j, rep, valid)
+            out, new_bufs = chunk(cs, start, read, bufs, j, rep, valid)
             done = valid & leave & (r == v - 1)
             held_s = [h.at[j].set(jnp.where(done, o, h[j])) for h, o in zip(held_s, out)]
-            return out, held_s, ring_s, new_bufs
+            return out, held_s, ring_s, new_bufs, entered_s
+
+        replayed = replay.arrays if replay is not None else []
 
         def tick(state, t):
-            box, held_, ring_, bufs = state
+            box, held_, ring_, bufs, entered_ = state
 
-            def one(s, box_s, held_s, ring_s, bufs_s, *xs_s):
-                return stage_tick(s, box_s, held_s, ring_s, bufs_s,
-                                  [(x, has) for x, (_, has) in zip(xs_s, xs)], t)
+            def one(s, box_s, held_s, ring_s, bufs_s, entered_s, xs_s, replayed_s):
+                return stage_tick(s, box_s, held_s, ring_s, bufs_s, entered_s, xs_s,
+                                  replayed_s, t)
 
-            out, held_, ring_, bufs = jax.vmap(one, spmd_axis_name=self.stage_axis)(
-                stage_ids, box, held_, ring_, bufs, *[x for x, _ in xs])
+            out, held_, ring_, bufs, entered_ = jax.vmap(one, spmd_axis_name=self.stage_axis)(
+                stage_ids, box, held_, ring_, bufs, entered_, [x for x, _ in arrays],
+                replayed)
             box = [self._shift(self._constrain(o, 0, piece), forward)
                    for o, piece in zip(out, send_specs)]
             return (laid_out(box, box_layout), laid_out(held_, held_layout),
-                    laid_out(ring_, ring_layout), laid_out(bufs, bufs_layout)), None
+                    laid_out(ring_, ring_layout), laid_out(bufs, bufs_layout),
+                    laid_out(entered_, entered_layout)), None
 
-        (box, held, ring, ys_bufs), _ = jax.lax.scan(
-            tick, (inbox, held, ring, ys_bufs), jnp.arange(self.ticks, dtype=jnp.int32))
+        (box, held, ring, ys_bufs, entered), _ = jax.lax.scan(
+            tick, (inbox, held, ring, ys_bufs, entered), jnp.arange(self.ticks, dtype=jnp.int32))
         exit_stage = p - 1 if forward else 0
         for res, h in zip(scan.results[:nk], held):
             if res is not None:
                 env[res] = (h[exit_stage], MICRO)
-        for res, buf, mode in zip(ys_values, ys_bufs, modes):
-            if res is not None:
-                env[res] = (buf, mode)
+        for k, buf in zip(kept, ys_bufs):
+            if ys_values[k] is not None:
+                env[ys_values[k]] = (buf, modes[k])
+        if forward and entered:
+            for k, res in enumerate(ys_values):
+                if modes[k] == RECOMPUTED and res is not None:
+                    env[res] = (k, RECOMPUTED)
+            self._replay = _Replay(body, consts, xs, entered, c, nk)
+
+    def _only_backward_reads(self, y: Value) -> bool:
+        """Whether the backward stack is all that reads ``y`` (a saved value)."""
+        readers = self.graph.nodes[y.node].consumers
+        return bool(readers) and set(readers) <= set(self.stack.backward.nodes)
 
     def _body(self, scan: Scan, layout: RegionLayout | None) -> Callable[..., list[Any]]:
         """One layer of ``scan``: its body, under the stack plan's constraints inside it
@@ -394,6 +469,8 @@ class StackedPipeline:
         """How a stack's per-layer result is kept: per microbatch where a microbatch region
         or the backward stack reads it, summed where only the update (or the step's result)
         does, once where no microbatch changes it."""
+        if forward and self.recompute and y is not None and self._only_backward_reads(y):
+            return RECOMPUTED
         if y is None or not self.varies[y.node]:
             return STAGED
         readers = [c for c in self.graph.nodes[y.node].consumers]
@@ -413,7 +490,8 @@ class StackedExecutable:
         sig = plan.signature
         self.pipeline = StackedPipeline(
             plan.stacked, microbatches=plan.microbatches, stages=len(plan.stages),
-            repeats=plan.repeats, stage_axis=plan.stage_axis, layouts=plan.layouts)
+            repeats=plan.repeats, stage_axis=plan.stage_axis, layouts=plan.layouts,
+            recompute=plan.recompute)
         self.shardings = plan.input_shardings_flat()
         aliased = dict(sig.output_aliases)
         donate = donate if donate is not None else sig.graphdef is not None

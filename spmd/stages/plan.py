@@ -116,6 +116,8 @@ class PipelinePlan:
     #: and its parts, each as its intra-op plan lays it out (``RegionLayout``)
     stacked: Any = dataclasses.field(default=None, repr=False)
     layouts: dict[str, Any] | None = None
+    #: SPMD runtime: every stage recomputes its chunks' forward in the backward loop
+    recompute: bool = False
 
     @property
     def microbatches(self) -> int:
@@ -202,6 +204,10 @@ class PipelinePlan:
                       f"{st.method:<8} {cells}\n")
         if self.runtime == "spmd":
             out.write(self._stacked_parts())
+            if self.recompute:
+                out.write("recompute: each stage keeps of each microbatch only what entered "
+                          "its chunks, and runs a chunk's forward again before its backward "
+                          "(it would not fit its memory otherwise)\n")
         if any(st.cost is not None and st.cost.recompute for st in self.stages):
             out.write("recompute: the stage keeps of each microbatch only what other stages "
                       "sent it, and its backward task runs its forward ops again (it would "
@@ -248,7 +254,7 @@ class PipelinePlan:
         return (f"{row} {part.get('forward stack', 0.0) * 1e3:8.3f} "
                 f"{part.get('backward stack', 0.0) * 1e3:8.3f} {pred.update_time * 1e3:9.3f} "
                 f"{self.microbatches:4d} {pred.stage_memory[s] / 2**30:7.3f} "
-                f"{sent / 1e6:8.2f}  no\n")
+                f"{sent / 1e6:8.2f}  {'yes' if self.recompute else 'no'}\n")
 
     def _stacked_parts(self) -> str:
         """The SPMD runtime's work outside the stack, per microbatch, on every stage."""

@@ -24,6 +24,11 @@ loop state). The prediction prices:
   back, each device sending all but a ``1 / v`` of its share (an all-to-all over the stage
   link).
 
+Where that does not fit the device (or the memory budget), every stage recomputes: the
+forward loop keeps of each microbatch only what entered each chunk, and the backward tick
+runs the chunk's forward again before its backward (the backward's time grows by the
+forward's; one chunk's saved values are its working set).
+
 Memory per device: the step inputs as held, the gradients of the stacked parameters summed
 on their stage (with ``v > 1`` the stacked parameters and their gradients once more, in the
 circular layout), what the stacks keep per microbatch for the backward stack (``m`` sets of
@@ -134,8 +139,14 @@ def plan_stacked_pipeline(full: StepSignature, micro: StepSignature, layered: La
                             "of the step runs on every stage"),
                         specs=whole_specs, stage_axis=pipe.stage_axis, stacked=step,
                         layouts=layouts)
+    link = mesh.link(pipe.stage_axis) if p > 1 else None
     plan.prediction = _predict(step, (m, p, v), searched, update, micro, meshes[0], mesh,
-                               specs, whole_specs, mesh.link(pipe.stage_axis) if p > 1 else None)
+                               specs, whole_specs, link)
+    budget = mesh.device.memory_bytes if options.memory_budget is None else options.memory_budget
+    if plan.prediction.memory_bytes > budget:  # every stage recomputes, as an expert turns
+        plan.recompute = True                  # on remat where memory needs it
+        plan.prediction = _predict(step, (m, p, v), searched, update, micro, meshes[0], mesh,
+                                   specs, whole_specs, link, recompute=True)
     return plan
 
 
@@ -152,13 +163,16 @@ def _stack_layout(scan: Scan, region: Region, plan: RegionPlan) -> RegionLayout:
 def _predict(step: StackedStep, counts: tuple[int, int, int],
              searched: dict[str, tuple[Region, RegionPlan]], update: RegionPlan | None,
              micro: StepSignature, stage_mesh: DeviceMesh, mesh: DeviceMesh,
-             specs: Sequence[Spec], whole_specs: Sequence[Spec], link: Link | None
-             ) -> PipelinePrediction:
+             specs: Sequence[Spec], whole_specs: Sequence[Spec], link: Link | None,
+             recompute: bool = False) -> PipelinePrediction:
     """Time and memory of the SPMD pipeline (module docstring) with ``counts``: microbatches,
-    stages and repeats, from each part's plan."""
+    stages and repeats, from each part's plan; ``recompute``: the backward loop runs each
+    chunk's forward again, and the forward keeps only what entered each chunk."""
     graph, stack = step.graph, step.stack
     m, p, v = counts
     time = {k: plan.prediction.total_time for k, (_, plan) in searched.items()}
+    if recompute:
+        time["backward stack"] += time["forward stack"]
 
     def held(value: Value, region: Region, plan: RegionPlan, output: bool = True) -> int:
         values = region.outputs if output else region.inputs
@@ -206,6 +220,13 @@ def _predict(step: StackedStep, counts: tuple[int, int, int],
     carries = set(stack.forward.results[:stack.forward.eqn.params["num_carry"]])
     residuals = m * sum(held(r, f_region, f_plan) for r in f_region.outputs
                         if r in saved and r not in carries) / p
+    recomputed = 0.0
+    if recompute:  # kept: what entered each chunk; made again: one chunk's saved values
+        again = m * sum(held(r, f_region, f_plan) for r in f_region.outputs
+                        if r in saved and r not in carries
+                        and set(graph.nodes[r.node].consumers) <= set(stack.backward.nodes)) / p
+        entered = m * v * sum(held(r, f_region, f_plan) for r in carries if r is not None)
+        residuals, recomputed = residuals - again + entered, again / (m * v)
     kept = sum(m * held(r, region, plan) for name, (region, plan) in searched.items()
                if not name.endswith("stack") for r in region.outputs
                if step.varies[r.node] and step.kept_per_microbatch(r))
@@ -216,7 +237,7 @@ def _predict(step: StackedStep, counts: tuple[int, int, int],
         if name in stacks:  # a chunk at a time, each layer's results written in place into
             beyond -= sum(held(r, region, plan) for r in region.outputs)  # the loop's buffers
             beyond /= p * v
-        work = max(work, beyond)
+        work = max(work, beyond + (recomputed if name == "backward stack" else 0.0))
     update_time = update.prediction.total_time if update is not None else 0.0
     update_work = update.prediction.memory_bytes - state if update is not None else 0.0
     # the loops hold the saved values, the update (after them) its own working set
