@@ -46,6 +46,7 @@ def run_case(model: str, mesh_name: str) -> dict[str, Any]:
     import spmd
     from spmd import zoo
     from spmd.analysis.hlo import collective_ops
+    from spmd.errors import PlanError
     from spmd.runtime.stacked import StackedExecutable
     from spmd.stages.schedule import bubble_formula
 
@@ -63,8 +64,13 @@ def run_case(model: str, mesh_name: str) -> dict[str, Any]:
             pipeline = spmd.PipelineOptions(stage_axis=axis, microbatches=m, repeats=repeats,
                                             runtime="spmd" if scan else "mpmd")
             start = time.perf_counter()
-            plan = spmd.plan(spec.train_step, *abstract, batch, mesh=mesh, method="pp_tp",
-                             options=spmd.SearchOptions(pipeline=pipeline))
+            try:
+                plan = spmd.plan(spec.train_step, *abstract, batch, mesh=mesh, method="pp_tp",
+                                 options=spmd.SearchOptions(pipeline=pipeline))
+            except PlanError as err:  # e.g. a stack the stages x repeats cannot share
+                out["plans"].append({"runtime": pipeline.runtime, "schedule": name,
+                                     "error": str(err)})
+                continue
             entry = {"runtime": plan.runtime, "schedule": name, "repeats": repeats,
                      "recompute": plan.recompute or any(
                          st.cost is not None and st.cost.recompute for st in plan.stages),
@@ -116,6 +122,10 @@ def render(data: dict[str, Any]) -> str:
                         + [""] * (len(headers) - 3))
             continue
         for e in case["plans"]:
+            if "error" in e:
+                rows.append([case["model"], case["mesh"], e["runtime"], e["schedule"],
+                             "not run: " + e["error"][:90]] + [""] * (len(headers) - 5))
+                continue
             compiled = e.get("compiled_gib")
             rows.append([
                 case["model"], f"{case['mesh']} ({case['stages']} stages, "

@@ -70,7 +70,6 @@ class _Replay:
     def __init__(self, body, consts, xs, entered, chunk: int, num_carry: int):
         self.body, self.consts, self.chunk, self.num_carry = body, consts, chunk, num_carry
         self.xs = xs
-        self.entered = entered
         #: what the backward loop's stage vmap hands each stage: its share of these
         self.arrays = [entered, [x for x, _ in xs]]
 
