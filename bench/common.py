@@ -15,7 +15,9 @@ import json
 import os
 import platform
 import shlex
+import subprocess
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -183,3 +185,35 @@ def run_worker(work: Callable[[], dict], context: dict, result_path: Path | None
     else:
         print(text)
     return 0
+
+
+def run_in_subprocess(script: str, model: str, mesh: str, extra: Sequence[str],
+                      timeout: float) -> dict[str, Any]:
+    """One (model, mesh) case of ``script`` in a process of its own (``--worker MODEL
+    MESH --result FILE`` plus ``extra``), its result read back; a case that runs over
+    ``timeout`` seconds or writes nothing is an error entry, so the run goes on."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "case.json"
+        cmd = [sys.executable, script, "--worker", model, mesh, *extra, "--result", str(result)]
+        try:
+            subprocess.run(cmd, timeout=timeout, check=False)
+        except subprocess.TimeoutExpired:
+            return {"model": model, "mesh": mesh, "error": f"over {timeout:.0f} s"}
+        if not result.exists():
+            return {"model": model, "mesh": mesh, "error": "the worker wrote no result"}
+        return json.loads(result.read_text())
+
+
+def run_grid(script: str, argv: Sequence[str] | None, models: Sequence[str],
+             meshes: Sequence[str], run_case: Callable[[str, str], dict], out_json: Path,
+             md: Path | None, section: str, render: Callable[[dict], str]) -> None:
+    """Every (model, mesh) case in turn, the run's JSON and markdown section written after
+    each (what is done so far survives a run cut short)."""
+    data = {"cases": [], "date": utc_date(), "machine": machine(),
+            "command": command_line(script, None if argv is None
+                                    else [Path(script).name, *argv])}
+    for model in models:
+        for mesh in meshes:
+            data["cases"].append(run_case(model, mesh))
+            publish(data, out_json, md, section, render)
+

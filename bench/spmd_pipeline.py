@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -96,20 +94,6 @@ def run_case(model: str, mesh_name: str) -> dict[str, Any]:
     return out
 
 
-def _subprocess(model: str, mesh: str, timeout: float) -> dict[str, Any]:
-    """One case in a process of its own, with the mesh's device count simulated."""
-    with tempfile.TemporaryDirectory() as tmp:
-        result = Path(tmp) / "case.json"
-        cmd = [sys.executable, __file__, "--worker", model, mesh, "--result", str(result)]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return {"model": model, "mesh": mesh, "error": f"timed out after {timeout:.0f} s"}
-        if not result.exists():
-            return {"model": model, "mesh": mesh, "error": done.stderr[-2000:]}
-        return json.loads(result.read_text())
-
-
 def render(data: dict[str, Any]) -> str:
     headers = ["model", "mesh", "runtime", "schedule", "recompute", "predicted ms",
                "bubble (formula)",
@@ -180,13 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         common.publish(json.loads(args.report.read_text()), out_json, md, SECTION, render)
         return 0
-    data = {"cases": [], "date": common.utc_date(), "machine": common.machine(),
-            "command": common.command_line("bench/spmd_pipeline.py",
-                                           None if argv is None else ["spmd_pipeline.py", *argv])}
-    for model in args.models.split(","):
-        for mesh in args.meshes.split(","):
-            data["cases"].append(_subprocess(model, mesh, args.case_timeout))
-            common.publish(data, out_json, md, SECTION, render)  # what is done so far
+    common.run_grid("bench/spmd_pipeline.py", argv, args.models.split(","),
+                    args.meshes.split(","),
+                    lambda model, mesh: common.run_in_subprocess(__file__, model, mesh, [],
+                                                                 args.case_timeout),
+                    out_json, md, SECTION, render)
     return 0
 
 

@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -136,19 +134,10 @@ def run_case(model: str, mesh_name: str, time_limit: float, compile_it: bool
 
 
 def _subprocess(model: str, mesh: str, args) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp:
-        result = Path(tmp) / "case.json"
-        cmd = [sys.executable, __file__, "--worker", model, mesh, "--time-limit",
-               str(args.time_limit), "--result", str(result)]
-        if mesh in args.compile_on.split(","):
-            cmd.append("--compile-stage")
-        try:
-            subprocess.run(cmd, timeout=args.case_timeout, check=False)
-        except subprocess.TimeoutExpired:
-            return {"model": model, "mesh": mesh, "error": f"over {args.case_timeout} s"}
-        if not result.exists():
-            return {"model": model, "mesh": mesh, "error": "the worker wrote no result"}
-        return json.loads(result.read_text())
+    extra = ["--time-limit", str(args.time_limit)]
+    if mesh in args.compile_on.split(","):
+        extra.append("--compile-stage")
+    return common.run_in_subprocess(__file__, model, mesh, extra, args.case_timeout)
 
 
 def _ms(entry: dict | None) -> str:
@@ -265,13 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         common.publish(json.loads(args.report.read_text()), out_json, md, SECTION, render)
         return 0
-    data = {"cases": [], "date": common.utc_date(), "machine": common.machine(),
-            "command": common.command_line("bench/two_level.py",
-                                           None if argv is None else ["two_level.py", *argv])}
-    for model in args.models.split(","):
-        for mesh in args.meshes.split(","):
-            data["cases"].append(_subprocess(model, mesh, args))
-            common.publish(data, out_json, md, SECTION, render)  # what is done so far
+    common.run_grid("bench/two_level.py", argv, args.models.split(","), args.meshes.split(","),
+                    lambda model, mesh: _subprocess(model, mesh, args), out_json, md, SECTION,
+                    render)
     return 0
 
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from conftest import FAST_COMPILE_FLAGS
 from flax import nnx
 
@@ -49,14 +50,21 @@ def test_two_processes_match_one_process(tmp_path, capsys):
         assert abs(a - b) <= 1e-5 * abs(b), (got, want)
 
 
-def test_a_pipeline_across_two_processes_matches_one_device(tmp_path):
-    """pp_dp on cpu-2x4-pp: stage 0 on the first process, stage 1 on the second; the
-    activations, their gradients and the tied embedding cross by collective-permute
-    programs, and both processes print the one device's losses."""
+@pytest.mark.parametrize("model,shown", [
+    # MPMD: the activations, their gradients and the tied embedding cross by
+    # collective-permute programs of their own
+    ("gpt-tiny", ["send 0->1", "send 1->0"]),
+    # SPMD: one program on both processes, the stack's halves on each one's devices
+    ("gpt-tiny-scan", ["runtime SPMD (gpipe)", "compiled program (the SPMD pipeline"]),
+])
+def test_a_pipeline_across_two_processes_matches_one_device(tmp_path, model, shown):
+    """pp_dp on cpu-2x4-pp, stage 0 on the first process and stage 1 on the second, by
+    either runtime: both processes print the one device's losses."""
     multi = tmp_path / "multi.json"
-    out = _launch(multi, "--method", "pp_dp", "--steps", "2", "--mesh", "cpu-2x4-pp")
-    assert "send 0->1" in out and "send 1->0" in out  # the copies' programs, compiled
-    spec = zoo.get("gpt-tiny")
+    out = _launch(multi, "--method", "pp_dp", "--steps", "2", "--mesh", "cpu-2x4-pp",
+                  model=model)
+    assert all(text in out for text in shown), out[-2000:]
+    spec = zoo.get(model)
     net, opt = spec.training_state(0)
     batch = spec.batch(spec.default_batch_size, 0)
     ref_step = nnx.jit(spec.train_step)
@@ -64,24 +72,5 @@ def test_a_pipeline_across_two_processes_matches_one_device(tmp_path):
     got = json.loads(multi.read_text())["losses"]
     np.testing.assert_allclose(got, want, rtol=1e-5)
     # the second process printed the same losses as the first: it holds the loss too
-    for k, loss in enumerate(got):
-        assert f"[p1] step {k + 1:4d}  loss {loss:.6f}" in out, out[-2000:]
-
-
-def test_the_spmd_pipeline_across_two_processes_matches_one_device(tmp_path):
-    """pp_dp on a scanned GPT over cpu-2x4-pp: one program on both processes, the stack's
-    first half on the first process's devices, the second on the second's, microbatches
-    crossing by collective-permute between them; the one device's losses."""
-    multi = tmp_path / "multi.json"
-    out = _launch(multi, "--method", "pp_dp", "--steps", "2", "--mesh", "cpu-2x4-pp",
-                  model="gpt-tiny-scan")
-    assert "runtime SPMD (gpipe)" in out and "compiled program (the SPMD pipeline" in out
-    spec = zoo.get("gpt-tiny-scan")
-    net, opt = spec.training_state(0)
-    batch = spec.batch(spec.default_batch_size, 0)
-    ref_step = nnx.jit(spec.train_step)
-    want = [float(ref_step(net, opt, batch)["loss"]) for _ in range(2)]
-    got = json.loads(multi.read_text())["losses"]
-    np.testing.assert_allclose(got, want, rtol=1e-5)
     for k, loss in enumerate(got):
         assert f"[p1] step {k + 1:4d}  loss {loss:.6f}" in out, out[-2000:]
