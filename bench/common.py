@@ -216,4 +216,3 @@ def run_grid(script: str, argv: Sequence[str] | None, models: Sequence[str],
         for mesh in meshes:
             data["cases"].append(run_case(model, mesh))
             publish(data, out_json, md, section, render)
-

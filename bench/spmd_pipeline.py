@@ -107,8 +107,10 @@ def render(data: dict[str, Any]) -> str:
             continue
         for e in case["plans"]:
             if "error" in e:
+                why = e["error"].split(";")[0].removeprefix(
+                    "the SPMD pipeline runtime cannot run this step: ")
                 rows.append([case["model"], case["mesh"], e["runtime"], e["schedule"],
-                             "not run: " + e["error"][:90]] + [""] * (len(headers) - 5))
+                             f"not run: {why}"] + [""] * (len(headers) - 5))
                 continue
             compiled = e.get("compiled_gib")
             rows.append([
@@ -122,7 +124,6 @@ def render(data: dict[str, Any]) -> str:
                 _transfers(e.get("hlo_transfers")), _transfers(e.get("predicted_transfers")),
                 f"{e['plan_s']:.1f}", "" if "compile_s" not in e else f"{e['compile_s']:.1f}"])
     return "\n".join([
-        SECTION, "",
         f"Command: `{data['command']}`. Machine: {common.machine_line(data['machine'])}. "
         f"Date: {data['date']}.", "",
         "Scanned GPTs (`scan_layers=True`), fp32, 2 sequences of 1024 tokens per GPU, "
