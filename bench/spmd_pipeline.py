@@ -45,7 +45,7 @@ def run_case(model: str, mesh_name: str) -> dict[str, Any]:
     from spmd import zoo
     from spmd.analysis.hlo import collective_ops
     from spmd.errors import PlanError
-    from spmd.runtime.stacked import StackedExecutable
+    from spmd.runtime.stacked import stacked_executable
     from spmd.stages.schedule import bubble_formula
 
     mesh = spmd.load_mesh(mesh_name, virtual=True)
@@ -79,7 +79,7 @@ def run_case(model: str, mesh_name: str) -> dict[str, Any]:
                      "predicted_gib": plan.prediction.memory_bytes / 2**30}
             if plan.runtime == "spmd":
                 start = time.perf_counter()
-                compiled = StackedExecutable(plan).compile()
+                compiled = stacked_executable(plan).compile()
                 entry["compile_s"] = time.perf_counter() - start
                 memory = compiled.memory_analysis()
                 entry["compiled_gib"] = (memory.argument_size_in_bytes

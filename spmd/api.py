@@ -18,7 +18,7 @@ from spmd.plan import Plan
 from spmd.planner import score_manual, step_inputs
 from spmd.runtime.compile import Executable, prepare
 from spmd.runtime.pipeline import PipelineExecutable
-from spmd.runtime.stacked import StackedExecutable
+from spmd.runtime.stacked import stacked_executable
 from spmd.runtime.transfer import absent, holds
 from spmd.runtime.nodes import NodeStateCache, StateRead
 from spmd.sharding import Spec, replicated
@@ -79,7 +79,7 @@ def plan(step_fn: Callable, *example_args: Any, mesh: DeviceMesh, method: str = 
 def _runnable(p: Plan | PipelinePlan, donate: bool | None) -> Any:
     """The executable of a plan: one jitted program, or a pipeline of them."""
     if isinstance(p, PipelinePlan):
-        return (StackedExecutable(p, donate) if p.runtime == "spmd"
+        return (stacked_executable(p, donate) if p.runtime == "spmd"
                 else PipelineExecutable(p, donate))
     return prepare(p, donate)
 

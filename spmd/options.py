@@ -151,6 +151,7 @@ class PipelineOptions:
         stages for a hand-written plan (MaxText's advice), searched for auto.
       schedule: ``"1f1b"`` (at most ``stages - s`` microbatches' activations held on stage
         s) or ``"gpipe"`` (all of them); both idle ``(p - 1) / (m + p - 1)`` of the time.
+        The MPMD runtime's; the SPMD runtime runs GPipe (or circular) whatever this says.
       min_stages: auto plans with fewer stages are not considered (2 forces a pipeline).
       max_stages: auto plans with more stages are not considered (1: no pipeline).
       layers: how many layers the step's forward pass is cut into (stages hold contiguous

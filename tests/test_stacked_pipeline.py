@@ -14,7 +14,7 @@ import spmd
 from spmd import zoo
 from spmd.analysis.hlo import collective_ops
 from spmd.errors import OptionsError, PlanError
-from spmd.runtime.stacked import StackedExecutable
+from spmd.runtime.stacked import stacked_executable
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +54,28 @@ def test_loss_and_gradients_match_one_device(mesh, method, repeats):
                                    err_msg=f"{method} {jax.tree_util.keystr(path)}")
 
 
+@pytest.mark.parametrize("repeats", [1, 2])
+def test_four_stages_each_way_round_give_one_devices_gradients(repeats):
+    """Four stages (stage=4 x data=2) over an 8-layer stack: the forward and backward flows
+    go opposite ways round the ring, the circular schedule takes each stage's two chunks in
+    turn, and the loss and gradients are one device's."""
+    mesh = spmd.make_mesh({"stage": 4, "data": 2})
+    spec = zoo.get("gpt-tiny-scan").with_config(num_layers=8)
+    batch = spec.batch(16, 0)
+    step = spmd.parallelize(_grad_step(spec), mesh=mesh, method="pp_dp",
+                            options=_options(microbatches=4, repeats=repeats))
+    plan = step.plan_for(nnx.eval_shape(lambda: spec.create(0)), batch)
+    assert plan.stage_layers(1) == ([(2, 4)] if repeats == 1 else [(1, 2), (5, 6)])
+    loss, grads = step(spec.create(0), batch)
+    with jax.default_device(jax.devices()[0]):
+        want_loss, want = jax.jit(_grad_step(spec))(spec.create(0), batch)
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+    for got, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
+        scale = max(float(np.abs(np.asarray(ref)).max()), 1e-6)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5 * scale,
+                                   rtol=1e-4)
+
+
 def test_carries_cross_stages_as_the_predicted_collective_permutes(mesh):
     """Each stack's loop moves its carry one stage along per tick: in the compiled HLO, one
     collective-permute per loop between the stages' devices, of the bytes the plan predicts,
@@ -61,7 +83,7 @@ def test_carries_cross_stages_as_the_predicted_collective_permutes(mesh):
     spec = zoo.get("gpt-tiny-scan")
     plan = spmd.plan(spec.train_step, *spmd.eval_shape(spec.training_state), spec.batch(16, 0),
                      mesh=mesh, method="pp_tp", options=_options(microbatches=4))
-    compiled = StackedExecutable(plan).compile()
+    compiled = stacked_executable(plan).compile()
     ticks = plan.microbatches + len(plan.stages) - 1
     across = [op for op in collective_ops(compiled.as_text())
               if op.kind == "collective-permute" and op.runs == ticks]
@@ -79,7 +101,7 @@ def test_memory_matches_the_prediction(mesh):
                                                  vocab_size=2048, seq_len=128)
     plan = spmd.plan(spec.train_step, *spmd.eval_shape(spec.training_state), spec.batch(16, 0),
                      mesh=mesh, method="pp_tp", options=_options(microbatches=4))
-    memory = StackedExecutable(plan).compile().memory_analysis()
+    memory = stacked_executable(plan).compile().memory_analysis()
     measured = memory.argument_size_in_bytes + memory.temp_size_in_bytes
     assert measured == pytest.approx(plan.prediction.memory_bytes, rel=0.15)
 
@@ -91,10 +113,11 @@ def test_describe_and_clear_errors(mesh):
                      method="pp_dp", options=_options(microbatches=4, repeats=2))
     text = plan.describe()
     assert "runtime SPMD (circular)" in text and "0-0, 2-2" in text and "(p-1)/(v m+p-1)" in text
+    assert plan.to_dict()["stages"][1]["layers"] == [(1, 2), (3, 4)]
     assert plan.to_dict()["schedule"] == "circular (2 repeats)"
     with pytest.raises(OptionsError, match="repeats=2"):
         spmd.PipelineOptions(repeats=2, runtime="mpmd")
-    with pytest.raises(PlanError, match="cannot share equally"):
+    with pytest.raises(PlanError, match=r"cannot share equally; use .*repeats=\.\.\.\) one of \[1, 2\]"):
         spmd.plan(spec.train_step, *abstract, spec.batch(16, 0), mesh=mesh, method="pp_dp",
                   options=_options(microbatches=4, repeats=3))
     plain = zoo.get("gpt-tiny")
@@ -121,7 +144,7 @@ def test_stages_recompute_under_a_budget_and_still_give_one_devices_gradients(me
     plan = step.plan_for(abstract, batch)
     assert plan.recompute and not plain.recompute and "recompute: each stage" in plan.describe()
     assert plan.prediction.memory_bytes <= budget
-    held = [StackedExecutable(p).compile().memory_analysis() for p in (plain, plan)]
+    held = [stacked_executable(p).compile().memory_analysis() for p in (plain, plan)]
     used = [m.argument_size_in_bytes + m.temp_size_in_bytes for m in held]
     assert used[1] < used[0]
     assert used[1] == pytest.approx(plan.prediction.memory_bytes, rel=0.15)

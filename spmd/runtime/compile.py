@@ -17,7 +17,7 @@ from spmd.runtime.constrain import constrained
 from spmd.search.regions import RegionPlan
 from spmd.sharding import to_partition_spec
 
-__all__ = ["Executable", "jit_region", "placed", "prepare"]
+__all__ = ["Executable", "jit_region", "prepare"]
 
 
 @dataclasses.dataclass
@@ -44,7 +44,7 @@ class Executable:
         """Leaves already in their sharding pass through; the rest are put there. Last call's
         outputs carry a sharding equal to the input's (the state's output specs are its
         input specs): ``==`` settles those at a tenth of ``is_equivalent_to``'s cost."""
-        return [x if isinstance(x, jax.Array) and placed(x, s) else jax.device_put(x, s)
+        return [x if isinstance(x, jax.Array) and _placed(x, s) else jax.device_put(x, s)
                 for x, s in zip(leaves, self.shardings)]
 
     def __call__(self, leaves: Sequence[Any]) -> Any:
@@ -52,8 +52,7 @@ class Executable:
         return run(*self.place(leaves))
 
 
-def placed(x: jax.Array, sharding: Any) -> bool:
-    """Whether ``x`` is already laid out as ``sharding`` says."""
+def _placed(x: jax.Array, sharding: Any) -> bool:
     return x.sharding == sharding or x.sharding.is_equivalent_to(sharding, x.ndim)
 
 

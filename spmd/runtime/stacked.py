@@ -35,7 +35,8 @@ the batch: each data-parallel device keeps its own rows, with no exchange.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+import dataclasses
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +44,7 @@ from jax.extend.core import jaxpr_as_fun
 from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd.errors import PlanError
-from spmd.runtime.compile import placed
+from spmd.runtime.compile import Executable
 from spmd.runtime.constrain import constrained, constraint_hooks
 from spmd.sharding import Spec, spread, to_partition_spec
 from spmd.stages.stack import RegionLayout, StackedStep, ticks
@@ -52,7 +53,7 @@ from spmd.trace.graph import SCAN, Scan, Value, value_key
 from spmd.trace.interpret import eval_jaxpr_with
 from spmd.trace.regions import Region
 
-__all__ = ["StackedExecutable", "StackedPipeline"]
+__all__ = ["StackedPipeline", "stacked_executable"]
 
 # how a value is held inside the program
 SHARED = "shared"        # one value for all microbatches, as the step has it
@@ -61,6 +62,13 @@ STAGED = "staged"        # [p, v, Lc, ...]: a per-layer value in stage layout
 STAGED_MICRO = "staged micro"  # [p, m, v, Lc, ...]
 STAGED_SUM = "staged sum"      # [p, v, Lc, ...] summed over microbatches
 RECOMPUTED = "recomputed"      # a saved value not kept: the backward tick makes it again
+
+
+@dataclasses.dataclass(frozen=True)
+class _Literal:
+    """A literal a stack's scan reads (a scalar carry that starts at 0.0)."""
+
+    value: Any
 
 
 class _Replay:
@@ -149,7 +157,9 @@ class StackedPipeline:
 
         return step
 
-    def _read(self, v: Value, env: dict) -> tuple[Any, str]:
+    def _read(self, v: Value | _Literal, env: dict) -> tuple[Any, str]:
+        if isinstance(v, _Literal):  # a scan operand the step wrote as a literal
+            return jnp.asarray(v.value), SHARED
         if v not in env:  # a constant of the step
             node = self.graph.nodes[v.node]
             if v.node not in self.graph.constants:
@@ -169,7 +179,10 @@ class StackedPipeline:
             return self._unstage(x) / self.m
         if kind == STAGED:
             return self._unstage(x)
-        return jnp.mean(self._unstage_micro(x), axis=0)
+        if kind == STAGED_MICRO:
+            return jnp.mean(self._unstage_micro(x), axis=0)
+        raise PlanError(f"the stacked pipeline made {v} again only for the backward stack, "
+                        f"yet something else reads it")
 
     def _micro(self, v: Value, env: dict) -> tuple[Any, bool]:
         """``v`` as a microbatch region reads it: (value, whether it has a microbatch
@@ -244,8 +257,8 @@ class StackedPipeline:
     def _staged(self, v: Value, env: dict) -> tuple[Any, bool]:
         """A per-layer value in stage layout: (value, whether per microbatch)."""
         x, kind = self._read(v, env)
-        if kind in (STAGED, STAGED_SUM):
-            return (x / self.m if kind == STAGED_SUM else x), False
+        if kind == STAGED:
+            return x, False
         if kind == STAGED_MICRO:
             return x, True
         if kind == MICRO:
@@ -277,6 +290,8 @@ class StackedPipeline:
     # -- one stack as a pipeline ---------------------------------------------------------------
     def _run_stack(self, scan: Scan, env: dict, forward: bool) -> None:
         eqn = scan.eqn
+        operands = [v if v is not None else _Literal(var.val)
+                    for v, var in zip(scan.operands, eqn.invars)]
         m, p, v, c = self.m, self.p, self.v, self.chunk
         nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
         reverse = bool(eqn.params["reverse"])
@@ -285,12 +300,12 @@ class StackedPipeline:
         result_specs = list(layout.results) if layout else [None] * len(scan.results)
         body = self._body(scan, layout)
         per_layer = lambda spec: None if spec is None else spec[1:]  # noqa: E731 (no L dim)
-        consts = [self._micro(x, env) for x in scan.operands[:nc]]
-        inits = [self._micro(x, env) for x in scan.operands[nc:nc + nk]]
+        consts = [self._micro(x, env) for x in operands[:nc]]
+        inits = [self._micro(x, env) for x in operands[nc:nc + nk]]
         # per-layer inputs: an array in stage layout (and whether per microbatch), or the
         # index of a forward result the backward tick makes again (recompute)
         xs: list[tuple[Any, bool] | int] = []
-        for x, spec in zip(scan.operands[nc + nk:], operand_specs[nc + nk:]):
+        for x, spec in zip(operands[nc + nk:], operand_specs[nc + nk:]):
             kind = self._read(x, env)[1]
             if kind == RECOMPUTED:
                 xs.append(self._read(x, env)[0])
@@ -331,7 +346,7 @@ class StackedPipeline:
         held = laid_out([jnp.zeros((p, m, *a.shape), a.dtype) for a in carry_avals],
                         held_layout)  # the exit's results
         ring = laid_out([jnp.zeros((p, m, *a.shape), a.dtype) for a in carry_avals],
-                        ring_layout)
+                        ring_layout) if v > 1 else []
         ys_bufs = laid_out([jnp.zeros((p, m, v, c, *ys_avals[k].shape[1:])
                                       if modes[k] == STAGED_MICRO
                                       else (p, v, c, *ys_avals[k].shape[1:]), ys_avals[k].dtype)
@@ -429,11 +444,6 @@ class StackedPipeline:
                     env[res] = (k, RECOMPUTED)
             self._replay = _Replay(body, consts, xs, entered, c, nk)
 
-    def _only_backward_reads(self, y: Value) -> bool:
-        """Whether the backward stack is all that reads ``y`` (a saved value)."""
-        readers = self.graph.nodes[y.node].consumers
-        return bool(readers) and set(readers) <= set(self.stack.backward.nodes)
-
     def _body(self, scan: Scan, layout: RegionLayout | None) -> Callable[..., list[Any]]:
         """One layer of ``scan``: its body, under the stack plan's constraints inside it
         and on the carry and the layer's slices it reads (the plan's paths: the scan's
@@ -465,10 +475,11 @@ class StackedPipeline:
             x, NamedSharding(self.mesh, to_partition_spec(spec)))
 
     def _ys_mode(self, y: Value | None, forward: bool) -> str:
-        """How a stack's per-layer result is kept: per microbatch where a microbatch region
-        or the backward stack reads it, summed where only the update (or the step's result)
-        does, once where no microbatch changes it."""
-        if forward and self.recompute and y is not None and self._only_backward_reads(y):
+        """How a stack's per-layer result is kept: not at all where the backward loop makes
+        it again (recompute; ``StackedStep.recomputable``), per microbatch where a microbatch
+        region or the backward stack reads it, summed where only the update (or the step's
+        result) does, once where no microbatch changes it."""
+        if forward and self.recompute and y is not None and self.step.recomputable(y):
             return RECOMPUTED
         if y is None or not self.varies[y.node]:
             return STAGED
@@ -478,43 +489,22 @@ class StackedPipeline:
         return STAGED_MICRO
 
 
-class StackedExecutable:
-    """A ``PipelinePlan`` of the SPMD runtime made runnable: one jitted program on the whole
-    mesh, with the interface ``spmd.api`` calls a plan's executable through."""
-
-    def __init__(self, plan: Any, donate: bool | None = None):
-        """``donate`` (default: True for NNX steps, whose state spmd writes back, as
-        ``spmd.runtime.compile.prepare`` does): the new state reuses the old one's buffers."""
-        self.plan = plan
-        sig = plan.signature
-        self.pipeline = StackedPipeline(
-            plan.stacked, microbatches=plan.microbatches, stages=len(plan.stages),
-            repeats=plan.repeats, stage_axis=plan.stage_axis, layouts=plan.layouts,
-            recompute=plan.recompute)
-        self.shardings = plan.input_shardings_flat()
-        aliased = dict(sig.output_aliases)
-        donate = donate if donate is not None else sig.graphdef is not None
-        outs = tuple(self.shardings[aliased[k]] if k in aliased else None
-                     for k in range(len(sig.out_avals)))
-        step = self.pipeline.function(plan.mesh.sharding_mesh())
-        self.jitted = jax.jit(lambda *flat: tuple(step(*flat)), in_shardings=tuple(self.shardings),
-                              out_shardings=outs,
-                              donate_argnums=tuple(sorted(set(aliased.values()))) if donate else ())
-        self._compiled = None
-
-    def place(self, leaves: Sequence[Any]) -> list[Any]:
-        return [x if isinstance(x, jax.Array) and placed(x, s) else jax.device_put(x, s)
-                for x, s in zip(leaves, self.shardings)]
-
-    def lower(self):
-        return self.jitted.lower(*self.plan.signature.in_avals)
-
-    def compile(self):
-        """Compile once and keep the executable: later calls run it."""
-        if self._compiled is None:
-            self._compiled = self.lower().compile()
-        return self._compiled
-
-    def __call__(self, leaves: Sequence[Any]) -> list[Any]:
-        run = self._compiled or self.jitted
-        return list(run(*self.place(leaves)))
+def stacked_executable(plan: Any, donate: bool | None = None) -> Executable:
+    """A ``PipelinePlan`` of the SPMD runtime made runnable: its one program jitted on the
+    whole mesh with the plan's shardings. ``donate`` (default: True for NNX steps, whose
+    state spmd writes back, as ``spmd.runtime.compile.prepare`` does): the new state reuses
+    the old one's buffers."""
+    sig = plan.signature
+    pipeline = StackedPipeline(plan.stacked, microbatches=plan.microbatches,
+                               stages=len(plan.stages), repeats=plan.repeats,
+                               stage_axis=plan.stage_axis, layouts=plan.layouts,
+                               recompute=plan.recompute)
+    shardings = plan.input_shardings_flat()
+    aliased = dict(sig.output_aliases)
+    donate = donate if donate is not None else sig.graphdef is not None
+    step = pipeline.function(plan.mesh.sharding_mesh())
+    jitted = jax.jit(lambda *flat: tuple(step(*flat)), in_shardings=tuple(shardings),
+                     out_shardings=tuple(shardings[aliased[k]] if k in aliased else None
+                                         for k in range(len(sig.out_avals))),
+                     donate_argnums=tuple(sorted(set(aliased.values()))) if donate else ())
+    return Executable(plan, jitted, shardings)

@@ -158,7 +158,7 @@ def plan_manual_pipeline(full: StepSignature, args: Sequence[Any], mesh: DeviceM
                         f"sets how many)") from None
     cache = cache if cache is not None else RegionCache()
     priced = options.compare or options.memory_budget is not None  # as plan_manual scores
-    stack = check_runtime(layered, p, options)
+    stack = check_runtime(layered, p, m, options)
     if stack is not None:
         plan = plan_stacked_pipeline(full, micro, layered, stack, mesh, meshes, method, intra,
                                      specs, microbatches=m, options=options, cache=cache)
@@ -199,7 +199,9 @@ def _check_budget(plan: PipelinePlan, options: SearchOptions) -> None:
         raise InfeasibleError(
             f"method {plan.method!r} needs {need / 2**30:.2f} GiB ({need:.0f} bytes) per "
             f"device on its fullest stage (predicted), over memory_budget={budget:.4g} "
-            f"bytes ({budget / 2**30:.2f} GiB); pick another method or more microbatches")
+            f"bytes ({budget / 2**30:.2f} GiB); pick another method, more stages or "
+            + ("repeats, or PipelineOptions(runtime='mpmd') for 1F1B (fewer microbatches held)"
+               if plan.runtime == "spmd" else "more microbatches"))
 
 
 def shared_copy_time(split: StageSplit, leaves: Sequence[Leaf], specs: Sequence[Spec],

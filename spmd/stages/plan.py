@@ -156,7 +156,7 @@ class PipelinePlan:
             **({"specs": {leaf.path: spec_to_json(spec)
                           for leaf, spec in zip(self.leaves, self.specs)}}
                if self.specs is not None else {}),
-            "stages": [{"layers": [st.start, st.stop], "devices": list(st.mesh.device_ids or ()),
+            "stages": [{"layers": self.stage_layers(s), "devices": list(st.mesh.device_ids or ()),
                         "shape": st.mesh.shape, "method": st.method,
                         "specs": {leaf.path: spec_to_json(spec)
                                   for leaf, spec in zip(self.leaves, st.input_specs)},
@@ -164,7 +164,7 @@ class PipelinePlan:
                             f.name: getattr(st.cost, f.name)
                             for f in dataclasses.fields(st.cost)
                             if f.name not in ("plans", "received")}}
-                       for st in self.stages],
+                       for s, st in enumerate(self.stages)],
             "prediction": None if pred is None else {
                 **dataclasses.asdict(pred), "total_time": pred.total_time,
                 "bubble_fraction": pred.bubble_fraction},
@@ -191,15 +191,15 @@ class PipelinePlan:
                   f"{'fwd ms':>8} {'bwd ms':>8} {'update ms':>9} {'held':>4} {'GiB':>7} "
                   f"{'sent MB':>8}  recompute\n")
         for s, st in enumerate(self.stages):
+            if self.runtime == "spmd":  # the stages run alike: the same times and memory
+                out.write(self._stacked_row(st, s))
+                continue
             c = st.cost
             cells = (f"{c.forward * 1e3:8.3f} {c.backward * 1e3:8.3f} {c.update * 1e3:9.3f} "
                      f"{self.schedule.in_flight(s):4d} "
                      f"{c.memory(self.schedule.in_flight(s)) / 2**30:7.3f} "
                      f"{c.sent / 1e6:8.2f}  {'yes' if c.recompute else 'no'}"
                      ) if c is not None else "(not priced)"
-            if self.runtime == "spmd":  # one row for all stages: they are alike
-                out.write(self._stacked_row(st, s))
-                continue
             out.write(f"{s:5d}  {st.start:>3}-{st.stop - 1:<3}  {_devices(st.mesh):<28} "
                       f"{st.method:<8} {cells}\n")
         if self.runtime == "spmd":
@@ -238,13 +238,19 @@ class PipelinePlan:
             return self.schedule.name
         return f"circular ({self.repeats} repeats)" if self.repeats > 1 else "gpipe"
 
+    def stage_layers(self, s: int) -> list[tuple[int, int]]:
+        """Stage ``s``'s layer ranges ``[start, stop)``: one, or with the SPMD runtime's
+        ``repeats`` one per chunk (every ``stages`` chunks)."""
+        st, p = self.stages[s], len(self.stages)
+        width = st.stop - st.start
+        return [(st.start + r * p * width, st.stop + r * p * width)
+                for r in range(self.repeats)]
+
     def _stacked_row(self, st: StagePlan, s: int) -> str:
         """A stage of the SPMD runtime: the stack's layers it runs, its devices, its plan,
         a chunk's forward and backward time per microbatch, the update, the memory (every
         stage alike), and what it sends per tick."""
-        p, width = len(self.stages), st.stop - st.start
-        chunks = ", ".join(f"{st.start + r * p * width}-{st.stop - 1 + r * p * width}"
-                           for r in range(self.repeats))
+        chunks = ", ".join(f"{a}-{b - 1}" for a, b in self.stage_layers(s))
         row = f"{s:5d}  {chunks:>7}  {_devices(st.mesh):<28} {st.method:<8}"
         pred = self.prediction
         if pred is None:

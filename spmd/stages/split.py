@@ -41,14 +41,15 @@ told so (``PlanError`` naming the op).
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from spmd.errors import PlanError
 from spmd.trace.graph import Graph, Node, Value, build_graph
 from spmd.trace.layers import forward_ops, is_backward, layer_of
 from spmd.trace.regions import Region
 
-__all__ = ["BACKWARD", "FORWARD", "UPDATE", "LayeredStep", "StageSplit", "Task", "split_step"]
+__all__ = ["BACKWARD", "FORWARD", "UPDATE", "LayeredStep", "StageSplit", "Task", "split_step",
+           "sums_for_the_update"]
 
 FORWARD, BACKWARD, UPDATE = "forward", "backward", "update"
 
@@ -147,14 +148,24 @@ def _phases(graph: Graph, layer: Sequence[int]) -> list[str]:
     # first layer and the last) is a sum of sums: each contribution accumulates on its own
     # stage, and they are added once per step, not sent across stages every microbatch.
     # Contributions of one layer are on one stage: summed per microbatch, they keep one sum.
-    outputs = {v.node for v in graph.outputs if v is not None}
     sources = _contribution_layers(graph, ops, layer)
-    for n in reversed(ops):
-        if (n.op.primitive == "add_any" and phase[n.id] == BACKWARD and n.scan < 0
-                and len(sources[n.id]) > 1 and (n.consumers or n.id in outputs)
-                and all(phase[c] == UPDATE for c in n.consumers)):
-            phase[n.id] = UPDATE
+    sums_for_the_update(graph, phase, lambda n: len(sources[n.id]) > 1)
     return phase
+
+
+def sums_for_the_update(graph: Graph, phase: list[str],
+                        moves: Callable[[Node], bool] = lambda n: True) -> None:
+    """Move to the update (in ``phase``, in place) every backward ``add_any`` outside a scan
+    that only the update or the step's results read and ``moves`` accepts: a sum of
+    gradient contributions is then summed over the microbatches part by part and added
+    once per step (exact: a sum of averages is the average of the sums). Through chains of
+    such sums, from the last."""
+    outputs = {v.node for v in graph.outputs if v is not None}
+    for n in reversed(graph.nodes):
+        if (n.kind == "op" and n.op.primitive == "add_any" and phase[n.id] == BACKWARD
+                and n.scan < 0 and (n.consumers or n.id in outputs)
+                and all(phase[c] == UPDATE for c in n.consumers) and moves(n)):
+            phase[n.id] = UPDATE
 
 
 def _contribution_layers(graph: Graph, ops: Sequence[Node], layer: Sequence[int]

@@ -19,7 +19,7 @@ from typing import Mapping, Sequence
 
 from spmd.errors import PlanError
 from spmd.sharding import Spec
-from spmd.stages.split import BACKWARD, FORWARD, UPDATE
+from spmd.stages.split import BACKWARD, FORWARD, UPDATE, sums_for_the_update
 from spmd.trace.graph import Graph, Scan, Value
 from spmd.trace.regions import Region
 
@@ -87,21 +87,6 @@ def stacked_leaves(graph: Graph, stack: LayerStack) -> set[int]:
             if (graph.value_shape(Value(n, 0)), str(graph.value_dtype(Value(n, 0)))) in shapes}
 
 
-def _sums_for_the_update(graph: Graph, phase: Sequence[str]) -> list[str]:
-    """``phase`` with every microbatch sum (``add_any``, outside a scan) that only the
-    update reads moved to the update: a tied embedding's gradient is then summed over the
-    microbatches part by part (the head's on its own, the lookup's on its own) and added
-    once, instead of each part kept per microbatch until their sum."""
-    out = list(phase)
-    outputs = {v.node for v in graph.outputs if v is not None}
-    for n in reversed(graph.nodes):
-        if (n.kind == "op" and n.op.primitive == "add_any" and n.scan < 0
-                and out[n.id] != UPDATE and (n.consumers or n.id in outputs)
-                and all(out[c] == UPDATE for c in n.consumers)):
-            out[n.id] = UPDATE
-    return out
-
-
 class StackedStep:
     """The step's op ``graph`` (phases ``phase``) around its layer ``stack``, in the parts
     the module docstring names; ``batch_inputs``: the leaves cut into microbatches."""
@@ -109,22 +94,34 @@ class StackedStep:
     def __init__(self, graph: Graph, phase: Sequence[str], stack: LayerStack,
                  batch_inputs: Sequence[int]):
         self.graph, self.stack = graph, stack
-        self.phase = _sums_for_the_update(graph, phase)
+        # a tied embedding's gradient is summed over the microbatches part by part (the
+        # head's, the lookup's) and added once, not each part kept per microbatch
+        self.phase = list(phase)
+        sums_for_the_update(graph, self.phase)
         self.batch_inputs = set(batch_inputs)
         self.varies = self._varies()
         self.parts = self._parts()
 
     def check(self, microbatches: int, stages: int, repeats: int) -> None:
-        """That ``stages`` x ``repeats`` share the stack equally, and a circular schedule has
-        a microbatch for each stage; else a PlanError that says what would do."""
-        m, p, v, L = microbatches, stages, repeats, self.stack.length
+        """``check_counts`` for this step's stack."""
+        self.check_counts(self.stack.length, microbatches, stages, repeats)
+
+    @staticmethod
+    def check_counts(length: int, microbatches: int, stages: int, repeats: int) -> None:
+        """That ``stages`` x ``repeats`` share a stack of ``length`` layers equally, and a
+        circular schedule has a microbatch for each stage; else a PlanError that says what
+        would do."""
+        m, p, v, L = microbatches, stages, repeats, length
         if L % (p * v):
+            valid = [r for r in range(1, L // p + 1) if L % (p * r) == 0] if L % p == 0 else []
+            fix = (f"PipelineOptions(repeats=...) one of {valid}" if valid else
+                   f"a stage count that divides {L}")
             raise PlanError(f"the scanned stack has {L} layers, which {p} stages x {v} "
-                            f"repeats cannot share equally; use a count of stages and "
-                            f"repeats whose product divides {L}")
+                            f"repeats cannot share equally; use {fix}")
         if v > 1 and m < p:
             raise PlanError(f"the circular schedule ({v} repeats) needs at least as many "
-                            f"microbatches as stages: {m} < {p}")
+                            f"microbatches as stages ({m} < {p}): set "
+                            f"PipelineOptions(microbatches=...) to {p} or more, or repeats=1")
 
     def _scan_of(self, n: int) -> Scan | None:
         node = self.graph.nodes[n]
@@ -167,11 +164,18 @@ class StackedStep:
             part = ("update" if self.phase[n.id] == UPDATE else "after" if after_b[n.id]
                     else "between" if after_f[n.id] else "before")
             members[part].append(n.id)
-        for n in members["before"]:
-            if after_f[n]:  # cannot happen by construction; a guard for the regions' order
-                raise PlanError(f"op {graph.nodes[n].key} runs before the layer stack but "
-                                f"reads it")
         return {name: Region(graph, nodes) for name, nodes in members.items() if nodes}
+
+    def recomputable(self, v: Value) -> bool:
+        """Whether ``v`` (a forward stack result) is a saved value the backward loop can
+        make again: the backward stack alone reads it, as a per-layer input, and it is not
+        one of the step's results."""
+        backward = self.stack.backward
+        readers = set(self.graph.nodes[v.node].consumers)
+        first = backward.eqn.params["num_consts"] + backward.eqn.params["num_carry"]
+        return (bool(readers) and readers <= set(backward.nodes)
+                and v not in self.graph.outputs and v in backward.operands[first:]
+                and v not in backward.operands[:first])
 
     def kept_per_microbatch(self, v: Value) -> bool:
         """Whether a microbatch region's varying result is read by microbatch work (kept

@@ -29,8 +29,8 @@ forward loop keeps of each microbatch only what entered each chunk, and the back
 runs the chunk's forward again before its backward (the backward's time grows by the
 forward's; one chunk's saved values are its working set).
 
-Memory per device: the step inputs as held, the gradients of the stacked parameters summed
-on their stage (with ``v > 1`` the stacked parameters and their gradients once more, in the
+Memory per device: the step inputs as held, the parameters' gradients summed (the stacked
+ones on their stage) (with ``v > 1`` the stacked parameters and their gradients once more, in the
 circular layout), what the stacks keep per microbatch for the backward stack (``m`` sets of
 the stage's ``L / p`` layers), the microbatch regions' values kept per microbatch, and the
 largest working peak of one region beyond what it reads.
@@ -89,7 +89,6 @@ def plan_stacked_pipeline(full: StepSignature, micro: StepSignature, layered: La
     L, graph = stack.length, layered.graph
     step = StackedStep(graph, layered.phase, stack,
                        [i for i, leaf in enumerate(micro.leaves) if leaf.kind == "batch"])
-    step.check(m, p, v)
     # Every step input is pinned: each part's search is timed as a scoring, and under no
     # budget of its own (a stack's region holds all its layers; the pipeline's memory is
     # judged as a whole, ``_predict``). One that finds nothing so soon gets the full time.
@@ -104,7 +103,9 @@ def plan_stacked_pipeline(full: StepSignature, micro: StepSignature, layered: La
             return search_region(region, on, step_inputs=inputs,
                                  output_aliases=micro.output_aliases, options=scoring,
                                  cache=cache)
-        except PlanError:
+        except PlanError as err:
+            if "time_limit" not in str(err):  # not the solver out of time: a real failure
+                raise
             return search_region(region, on, step_inputs=inputs,
                                  output_aliases=micro.output_aliases, cache=cache,
                                  options=dataclasses.replace(scoring,
@@ -136,7 +137,8 @@ def plan_stacked_pipeline(full: StepSignature, micro: StepSignature, layered: La
                             f"{pipe.stage_axis!r}"
                             + (f" in {v} chunks of {chunk} taken in turn" if v > 1 else "")
                             + ", microbatches moved by collective-permute; everything else "
-                            "of the step runs on every stage"),
+                            "of the step runs on every stage (1F1B, holding fewer "
+                            "microbatches, needs PipelineOptions(runtime='mpmd'))"),
                         specs=whole_specs, stage_axis=pipe.stage_axis, stacked=step,
                         layouts=layouts)
     link = mesh.link(pipe.stage_axis) if p > 1 else None
@@ -223,8 +225,7 @@ def _predict(step: StackedStep, counts: tuple[int, int, int],
     recomputed = 0.0
     if recompute:  # kept: what entered each chunk; made again: one chunk's saved values
         again = m * sum(held(r, f_region, f_plan) for r in f_region.outputs
-                        if r in saved and r not in carries
-                        and set(graph.nodes[r.node].consumers) <= set(stack.backward.nodes)) / p
+                        if r in saved and r not in carries and step.recomputable(r)) / p
         entered = m * v * sum(held(r, f_region, f_plan) for r in carries if r is not None)
         residuals, recomputed = residuals - again + entered, again / (m * v)
     kept = sum(m * held(r, region, plan) for name, (region, plan) in searched.items()
@@ -252,22 +253,21 @@ def _predict(step: StackedStep, counts: tuple[int, int, int],
                               comm, transfers, parts)
 
 
-def check_runtime(layered: LayeredStep, stages: int, options: SearchOptions
-                  ) -> LayerStack | None:
+def check_runtime(layered: LayeredStep, stages: int, microbatches: int,
+                  options: SearchOptions) -> LayerStack | None:
     """The layer stack the SPMD runtime pipelines, where ``options.pipeline.runtime`` asks
     for it (or ``auto`` finds a stack the stages share equally); None: the MPMD runtime."""
     pipe = options.pipeline
     if pipe.runtime == "mpmd":
         return None
     stack = find_stack(layered.graph, layered.phase)
-    share = stages * pipe.repeats
-    if stack is not None and stack.length % share == 0:
-        return stack
-    if pipe.runtime == "auto" and pipe.repeats == 1:
-        return None
-    why = ("the step scans no layer stack (nnx.scan or lax.scan over stacked parameters, "
-           "read again by its backward pass)" if stack is None else
-           f"its scanned stack has {stack.length} layers, which {stages} stages x "
-           f"{pipe.repeats} repeats cannot share equally")
-    raise PlanError(f"the SPMD pipeline runtime cannot run this step: {why}; use "
-                    f"PipelineOptions(runtime='mpmd', repeats=1) or another stage count")
+    if stack is None:
+        if pipe.runtime == "auto" and pipe.repeats == 1:
+            return None
+        raise PlanError("the SPMD pipeline runtime cannot run this step: it scans no layer "
+                        "stack (nnx.scan or lax.scan over stacked parameters, read again by "
+                        "its backward pass); use PipelineOptions(runtime='mpmd', repeats=1)")
+    if stack.length % (stages * pipe.repeats) and pipe.runtime == "auto" and pipe.repeats == 1:
+        return None  # stages the stack cannot be shared by: MPMD keeps it in one stage
+    StackedStep.check_counts(stack.length, microbatches, stages, pipe.repeats)
+    return stack
