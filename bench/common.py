@@ -216,3 +216,21 @@ def run_grid(script: str, argv: Sequence[str] | None, models: Sequence[str],
         for mesh in meshes:
             data["cases"].append(run_case(model, mesh))
             publish(data, out_json, md, section, render)
+
+
+def add_grid_arguments(parser: Any, name: str, models: Sequence[str],
+                       meshes: Sequence[str], case_timeout: float = 1800) -> None:
+    """The arguments of a benchmark over (model, mesh) cases run in subprocesses
+    (``run_grid``): which cases, their time limit, the worker's own (hidden), ``--report``
+    and the outputs (``add_output_arguments``)."""
+    import argparse
+
+    parser.add_argument("--models", default=",".join(models))
+    parser.add_argument("--meshes", default=",".join(meshes))
+    parser.add_argument("--case-timeout", type=float, default=case_timeout)
+    parser.add_argument("--worker", nargs=2, metavar=("MODEL", "MESH"), help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--report", type=Path, metavar="JSON",
+                        help="render an earlier run's JSON again, running nothing")
+    add_output_arguments(parser, name)
+

@@ -19,7 +19,6 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 try:  # run as a script (python bench/spmd_pipeline.py): bench/ is on sys.path
@@ -143,14 +142,7 @@ def _transfers(pairs) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--meshes", default=",".join(MESHES))
-    parser.add_argument("--case-timeout", type=float, default=1800)
-    parser.add_argument("--worker", nargs=2, metavar=("MODEL", "MESH"), help=argparse.SUPPRESS)
-    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--report", type=Path, metavar="JSON",
-                        help="render an earlier run's JSON again, running nothing")
-    common.add_output_arguments(parser, "spmd_pipeline")
+    common.add_grid_arguments(parser, "spmd_pipeline", MODELS, MESHES)
     args = parser.parse_args(argv)
     if args.worker:
         import spmd

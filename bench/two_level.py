@@ -24,7 +24,6 @@ import json
 import sys
 import time
 import warnings
-from pathlib import Path
 from typing import Any
 
 try:  # run as a script (python bench/two_level.py): bench/ is on sys.path
@@ -228,19 +227,12 @@ def render(data: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--meshes", default=",".join(MESHES))
+    common.add_grid_arguments(parser, "two_level", MODELS, MESHES)
     parser.add_argument("--time-limit", type=float, default=5.0,
                         help="seconds per intra-op search")
-    parser.add_argument("--case-timeout", type=float, default=1800)
     parser.add_argument("--compile-on", default="a100-2x8",
                         help="meshes whose cases compile stage 0's programs (comma-separated)")
     parser.add_argument("--compile-stage", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--worker", nargs=2, metavar=("MODEL", "MESH"), help=argparse.SUPPRESS)
-    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--report", type=Path, metavar="JSON",
-                        help="render an earlier run's JSON again, running nothing")
-    common.add_output_arguments(parser, "two_level")
     args = parser.parse_args(argv)
     if args.worker:
         from spmd.cluster.devices import set_cpu_device_count

@@ -32,6 +32,20 @@ def _grad_step(spec):
     return grads
 
 
+def _assert_one_devices(step, spec, batch) -> None:
+    """``step`` (a parallelized ``_grad_step``) gives one device's loss and gradients."""
+    loss, grads = step(spec.create(0), batch)
+    with jax.default_device(jax.devices()[0]):
+        want_loss, want = jax.jit(_grad_step(spec))(spec.create(0), batch)
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+    for (path, got), ref in zip(jax.tree_util.tree_leaves_with_path(grads),
+                                jax.tree.leaves(want)):
+        ref = np.asarray(ref)
+        scale = max(float(np.abs(ref).max()), 1e-6)
+        np.testing.assert_allclose(np.asarray(got), ref, atol=1e-5 * scale, rtol=1e-4,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
 @pytest.mark.parametrize("method,repeats", [("pp_dp", 1), ("pp_tp", 1), ("pp_tp", 2)])
 def test_loss_and_gradients_match_one_device(mesh, method, repeats):
     """GPipe (and, with 2 repeats, the circular schedule) over 4 microbatches: the loss and
@@ -42,16 +56,7 @@ def test_loss_and_gradients_match_one_device(mesh, method, repeats):
                             options=_options(microbatches=4, repeats=repeats))
     plan = step.plan_for(nnx.eval_shape(lambda: spec.create(0)), batch)
     assert plan.runtime == "spmd" and plan.repeats == repeats
-    loss, grads = step(spec.create(0), batch)
-    with jax.default_device(jax.devices()[0]):
-        want_loss, want = jax.jit(_grad_step(spec))(spec.create(0), batch)
-    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
-    for (path, got), ref in zip(jax.tree_util.tree_leaves_with_path(grads),
-                                jax.tree.leaves(want)):
-        ref = np.asarray(ref)
-        scale = max(float(np.abs(ref).max()), 1e-6)
-        np.testing.assert_allclose(np.asarray(got), ref, atol=1e-5 * scale, rtol=1e-4,
-                                   err_msg=f"{method} {jax.tree_util.keystr(path)}")
+    _assert_one_devices(step, spec, batch)
 
 
 @pytest.mark.parametrize("repeats", [1, 2])
@@ -66,14 +71,7 @@ def test_four_stages_each_way_round_give_one_devices_gradients(repeats):
                             options=_options(microbatches=4, repeats=repeats))
     plan = step.plan_for(nnx.eval_shape(lambda: spec.create(0)), batch)
     assert plan.stage_layers(1) == ([(2, 4)] if repeats == 1 else [(1, 2), (5, 6)])
-    loss, grads = step(spec.create(0), batch)
-    with jax.default_device(jax.devices()[0]):
-        want_loss, want = jax.jit(_grad_step(spec))(spec.create(0), batch)
-    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
-    for got, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
-        scale = max(float(np.abs(np.asarray(ref)).max()), 1e-6)
-        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5 * scale,
-                                   rtol=1e-4)
+    _assert_one_devices(step, spec, batch)
 
 
 def test_carries_cross_stages_as_the_predicted_collective_permutes(mesh):
@@ -148,11 +146,4 @@ def test_stages_recompute_under_a_budget_and_still_give_one_devices_gradients(me
     used = [m.argument_size_in_bytes + m.temp_size_in_bytes for m in held]
     assert used[1] < used[0]
     assert used[1] == pytest.approx(plan.prediction.memory_bytes, rel=0.15)
-    loss, grads = step(spec.create(0), batch)
-    with jax.default_device(jax.devices()[0]):
-        want_loss, want = jax.jit(_grad_step(spec))(spec.create(0), batch)
-    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
-    for got, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
-        scale = max(float(np.abs(np.asarray(ref)).max()), 1e-6)
-        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5 * scale,
-                                   rtol=1e-4)
+    _assert_one_devices(step, spec, batch)

@@ -37,7 +37,7 @@ from spmd.stages.manual import (PIPELINE_METHODS, MicroSteps, plan_manual_pipeli
 from spmd.stages.plan import PipelinePlan, StagePlan, predict
 from spmd.stages.price import StageCost, price_stage
 from spmd.stages.schedule import schedule
-from spmd.stages.split import BACKWARD, FORWARD, UPDATE, LayeredStep
+from spmd.stages.split import BACKWARD, FORWARD, LayeredStep
 from spmd.trace.layers import forward_ops
 from spmd.trace.signature import Leaf, StepSignature
 from spmd.timing import Stopwatch
