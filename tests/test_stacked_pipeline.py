@@ -147,3 +147,17 @@ def test_stages_recompute_under_a_budget_and_still_give_one_devices_gradients(me
     assert used[1] < used[0]
     assert used[1] == pytest.approx(plan.prediction.memory_bytes, rel=0.15)
     _assert_one_devices(step, spec, batch)
+
+
+def test_auto_forced_to_two_stages_pipelines_a_scanned_gpt_as_one_device(mesh):
+    """Auto at two levels (min_stages=2) on a scanned GPT weighs the SPMD pipelines with the
+    stage search's, keeps the fastest, and it gives one device's loss and gradients."""
+    spec = zoo.get("gpt-tiny-scan")
+    batch = spec.batch(16, 0)
+    step = spmd.parallelize(_grad_step(spec), mesh=mesh, options=spmd.SearchOptions(
+        cache=False, pipeline=spmd.PipelineOptions(min_stages=2)))
+    plan = step.plan_for(nnx.eval_shape(lambda: spec.create(0)), batch)
+    assert len(plan.stages) >= 2 and {"pp_dp", "pp_tp"} <= set(plan.alternatives)
+    assert all(plan.prediction.total_time <= other.total_time + 1e-12
+               for other in plan.alternatives.values() if not isinstance(other, str))
+    _assert_one_devices(step, spec, batch)
