@@ -51,7 +51,6 @@ from spmd.stages.stack import RegionLayout, StackedStep, ticks
 from spmd.stages.split import UPDATE
 from spmd.trace.graph import SCAN, Scan, Value, value_key
 from spmd.trace.interpret import eval_jaxpr_with
-from spmd.trace.regions import Region
 
 __all__ = ["StackedPipeline", "stacked_executable"]
 
@@ -228,11 +227,10 @@ class StackedPipeline:
 
     def _program(self, name: str) -> Callable[..., list[Any]]:
         """Part ``name``'s program, under its plan's sharding constraints where it has one."""
-        program = self.parts[name].program()
         layout = self.layouts.get(name)
         if layout is None:
-            return jaxpr_as_fun(program)
-        return constrained(program, layout.constraints, self.mesh)
+            return jaxpr_as_fun(self.parts[name].program())
+        return constrained(layout.program, layout.constraints, self.mesh)
 
     # -- stage layout ----------------------------------------------------------------------
     def _stage(self, x: Any) -> Any:
@@ -451,8 +449,8 @@ class StackedPipeline:
         closed = scan.eqn.params["jaxpr"]
         if layout is None:
             return jaxpr_as_fun(closed)
-        program = Region(self.graph, scan.nodes).program()
-        at = next(i for i, e in enumerate(program.jaxpr.eqns) if e.primitive.name == SCAN)
+        at = next(i for i, e in enumerate(layout.program.jaxpr.eqns)
+                  if e.primitive.name == SCAN)
         after, before = constraint_hooks(layout.constraints, self.mesh)
         nc, nk = scan.eqn.params["num_consts"], scan.eqn.params["num_carry"]
         entering = [value_key((at, "carry", k), 0) for k in range(nk)] + [

@@ -15,7 +15,7 @@ A value *varies* when it differs between microbatches (it depends on a batch inp
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from spmd.errors import PlanError
 from spmd.sharding import Spec
@@ -34,10 +34,12 @@ def ticks(microbatches: int, repeats: int, stages: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class RegionLayout:
     """How one part of the step is laid out, from its intra-op plan on one stage's devices
-    (the update's: on the whole mesh): the sharding constraints inside it, keyed by the
-    paths of its region's program; for a stack, the specs its scan's operands and results
-    get (the loops keep their state in them)."""
+    (the update's: on the whole mesh): the region's program the plan was made on (its
+    inputs in, its outputs out: the runtime runs it, not a second trace of the region), the
+    sharding constraints inside it, keyed by that program's paths; for a stack, the specs
+    its scan's operands and results get (the loops keep their state in them)."""
 
+    program: Any  # ClosedJaxpr
     constraints: Mapping[str, Spec]
     operands: Sequence[Spec | None] = ()
     results: Sequence[Spec | None] = ()

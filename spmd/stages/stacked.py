@@ -121,10 +121,11 @@ def plan_stacked_pipeline(full: StepSignature, micro: StepSignature, layered: La
         "update" in step.parts) else None
     layouts = {name: (_stack_layout(stack.forward if name.startswith("forward")
                                     else stack.backward, region, plan)
-                      if name.endswith("stack") else RegionLayout(plan.result.constraints))
+                      if name.endswith("stack") else RegionLayout(plan.program,
+                                                                  plan.result.constraints))
                for name, (region, plan) in searched.items()}
     if update is not None:
-        layouts["update"] = RegionLayout(update.result.constraints)
+        layouts["update"] = RegionLayout(update.program, update.result.constraints)
     chunk = L // (p * v)
     name = "circular" if v > 1 else "gpipe"
     plan = PipelinePlan(method, mesh, full.leaves, L,
@@ -157,7 +158,7 @@ def _stack_layout(scan: Scan, region: Region, plan: RegionPlan) -> RegionLayout:
     constraints, and the specs it gives the scan's operands and results."""
     given = dict(zip(region.inputs, plan.result.input_specs))
     made = dict(zip(region.outputs, plan.result.output_specs))
-    return RegionLayout(plan.result.constraints,
+    return RegionLayout(plan.program, plan.result.constraints,
                         [given.get(v) if v is not None else None for v in scan.operands],
                         [made.get(v) if v is not None else None for v in scan.results])
 
