@@ -88,13 +88,22 @@ def plan_manual(sig: StepSignature, mesh: DeviceMesh, method: str,
                 options: SearchOptions | None = None) -> Plan:
     """A hand-written plan for an already traced step (``spmd.plan`` traces it first;
     ``spmd.analysis.verify.compare`` plans every method from auto's trace), the user's pins
-    kept. Scored (a solve) only with ``options.compare`` or a ``memory_budget`` to check."""
+    kept. Scored (a solve) only with ``options.compare`` or a ``memory_budget`` to check.
+
+    A scored plan runs as scored: with the sharding constraints of the intermediates its
+    score chose, so that its prediction (time, memory, collectives) is of the program that
+    runs. Unscored, only its input and output shardings are given and XLA's propagation
+    picks the rest: another program, often with more collectives (on cpu-8, fsdp of
+    moe-tiny compiles 47 all-gathers and 26 all-reduces bare; as scored, the 26 all-gathers,
+    one all-reduce and 8 all-to-alls its score predicts)."""
     inputs = step_inputs(sig, mesh, options or SearchOptions())
     input_specs = manual_specs(sig.leaves, method, mesh, [i.pinned for i in inputs])
     result = Plan(method=method, mesh=mesh, leaves=sig.leaves, input_specs=input_specs,
                   output_specs=_output_specs(sig, input_specs), signature=sig)
     if options is not None and (options.compare or options.memory_budget is not None):
-        result.prediction = score_manual(sig, mesh, method, options, inputs=inputs).prediction
+        scored = score_manual(sig, mesh, method, options, inputs=inputs)
+        result.prediction = scored.prediction
+        result.constraints = dict(scored.constraints)
         _check_budget(result, options.memory_budget)
     return result
 
