@@ -184,7 +184,8 @@ def build_case(label: str, spec: Any, initial: Initial, mesh: Any, method: str) 
     """Plan, place and compile one method, as ``spmd run`` does but from host copies of one
     initial state shared by every plan (``spmd.materialize`` would compile a sharded
     initializer per plan: seconds each on this machine). Hand-written plans are scored with
-    the default ``SearchOptions`` (``spmd run --method M`` asks for the same prediction)."""
+    the default ``SearchOptions`` (``spmd run --method M`` asks for the same prediction) and
+    so run as scored, with the constraints of the intermediates their score chose."""
     import jax
     import numpy as np
     from flax import nnx
@@ -206,14 +207,18 @@ def build_case(label: str, spec: Any, initial: Initial, mesh: Any, method: str) 
 
 
 def step_in_turns(cases: list[Case], steps: int) -> None:
-    """``steps + 1`` rounds, each one wrapper step and one bare-executable step of every
-    case, alternating which of the two goes first: slow drifts in the host's load fall on
-    every plan alike. A case that fails is dropped from later rounds with its error."""
+    """``steps + 1`` rounds, each one burst of every case in turn: slow drifts in the host's
+    load fall on every plan alike. A burst is one untimed step (the case's first since
+    another case ran: it refills the caches the other evicted, which a training loop,
+    stepping one plan back to back, does not pay), then one wrapper step and one
+    bare-executable step, alternating which of the two goes first. A case that fails is
+    dropped from later rounds with its error."""
     for round_ in range(steps + 1):
         for case in cases:
             if case.error is not None:
                 continue
             try:
+                case.call_executable()
                 if round_ % 2 == 0:
                     case.wrapper_s.append(case.call_wrapper())
                     case.executable_s.append(case.call_executable())
@@ -540,9 +545,12 @@ def render(data: dict[str, Any]) -> str:
         f"executable alone on already placed flat arrays, timed the same way in the same "
         f"rounds (the two alternate which goes first). Predicted: `plan.prediction.total_time` "
         f"on the mesh as profiled at the start of the part. A model's plans are compiled "
-        f"first, then stepped in turns. E/P: executable over predicted. Spread: interquartile "
+        f"first, then stepped in turns: each turn one untimed step (it refills the caches the "
+        f"plan stepped before evicted; a training loop steps one plan back to back), then one "
+        f"timed step of each. E/P: executable over predicted. Spread: interquartile "
         f"range over median of the measured steps. Hand-written plans are scored with the "
-        f"default `SearchOptions`; `auto (= m)` is an auto plan that kept hand-written `m`.",
+        f"default `SearchOptions` and run as scored (with the sharding constraints of the "
+        f"intermediates their score chose); `auto (= m)` is an auto plan that kept hand-written `m`.",
         "",
     ]
     lines += part_lines(data["parts"]["one-device"], "One device: cpu-1, auto plans "
