@@ -46,6 +46,26 @@ def test_predicted_memory_is_xlas_within_15_percent(model, method):
     assert 0.85 <= step.plan.prediction.memory_bytes / xla <= 1.15
 
 
+def test_a_scored_hand_written_plan_runs_as_scored():
+    """fsdp of moe-tiny on cpu-8: scored, the plan carries the constraints of the
+    intermediates its score chose, and the compiled step emits the collectives predicted
+    (XLA's propagation from the input and output shardings alone compiles 47 all-gathers and
+    26 all-reduces instead); unscored, it has no constraints to run under."""
+    spec = zoo.get("moe-tiny")
+    mesh = spmd.load_mesh("cpu-8")
+    args = (*nnx.eval_shape(spec.training_state), spec.batch(spec.default_batch_size))
+    step = spmd.parallelize(spec.train_step, mesh=mesh, method="fsdp",
+                            options=spmd.SearchOptions(cache=False))
+    compiled = spmd.analyze(step.lower(*args).compile()).record(mesh)
+    plan = step.plan
+    assert plan.constraints
+    predicted = {k: c for k, (c, _) in plan.prediction.collectives.items() if c}
+    assert {k: c for k, (c, _) in compiled["collectives"].items() if c} == predicted
+    bare = spmd.plan(spec.train_step, *args, mesh=mesh, method="fsdp",
+                     options=spmd.SearchOptions(cache=False, compare=False))
+    assert bare.prediction is None and not bare.constraints
+
+
 def _fused(fn, *args) -> set[str]:
     from spmd.search.costgraph import CostGraph, InputInfo
     from spmd.cluster.mesh import make_mesh
