@@ -15,6 +15,7 @@ from spmd import zoo
 from spmd.analysis.hlo import collective_ops
 from spmd.errors import OptionsError, PlanError
 from spmd.runtime.stacked import stacked_executable
+from spmd.stages.stack import ticks
 
 
 @pytest.fixture(scope="module")
@@ -82,12 +83,17 @@ def test_carries_cross_stages_as_the_predicted_collective_permutes(mesh):
     plan = spmd.plan(spec.train_step, *spmd.eval_shape(spec.training_state), spec.batch(16, 0),
                      mesh=mesh, method="pp_tp", options=_options(microbatches=4))
     compiled = stacked_executable(plan).compile()
-    ticks = plan.microbatches + len(plan.stages) - 1
+    loop = ticks(plan.microbatches, plan.repeats, len(plan.stages))
+    # a loop's permutes between stages (a stage holds 4 devices); a part's own plan may add
+    # permutes within a stage, run as often (seen under load, where a time-limited search
+    # settled on another layout)
     across = [op for op in collective_ops(compiled.as_text())
-              if op.kind == "collective-permute" and op.runs == ticks]
+              if op.kind == "collective-permute" and op.runs == loop
+              and any(a // 4 != b // 4 for a, b in op.source_target_pairs)]
+    assert across
     assert all(abs(a - b) == 4 for op in across for a, b in op.source_target_pairs)
     assert sorted(op.bytes for op in across) == sorted(
-        nbytes for _, nbytes, runs in plan.prediction.transfers if runs == ticks)
+        nbytes for _, nbytes, runs in plan.prediction.transfers if runs == loop)
     assert len(across) == 2
 
 
