@@ -60,8 +60,9 @@ MODELS: dict[str, tuple[str, dict[str, Any], int | None]] = {
     # ~27 M parameters
     "gpt-wide": ("gpt-tiny", dict(num_layers=8, d_model=512, num_heads=8, head_dim=64,
                                   d_ff=2048, vocab_size=4096, seq_len=128), 16),
-    # gpt-tiny with its blocks stacked and applied by nnx.scan (the body is planned once)
-    "gpt-tiny-scan": ("gpt-tiny", dict(scan_layers=True), None),
+    # gpt-tiny with its 2 blocks stacked and applied by nnx.scan (the body is planned
+    # once); not the zoo's gpt-tiny-scan, which scans 4 (a pipeline of 2 stages x 2 repeats)
+    "gpt-tiny-scan2": ("gpt-tiny", dict(scan_layers=True), None),
     "moe-tiny": ("moe-tiny", {}, None),
     "wresnet-tiny": ("wresnet-tiny", {}, None),
     "mlp-tiny": ("mlp-tiny", {}, None),

@@ -218,6 +218,34 @@ def run_grid(script: str, argv: Sequence[str] | None, models: Sequence[str],
             publish(data, out_json, md, section, render)
 
 
+def grid_main(args: Any, argv: Sequence[str] | None, script: str, name: str, section: str,
+              render: Callable[[dict], str], devices: Callable[[str], int],
+              work: Callable[[str, str], dict],
+              extra: Callable[[str, str], list[str]] = lambda model, mesh: []) -> int:
+    """The main of a benchmark over (model, mesh) cases (``add_grid_arguments`` parsed into
+    ``args``): as ``--worker``, one case's ``work`` on ``devices(mesh)`` simulated CPU devices
+    (set before jax starts); with ``--report``, an earlier run rendered again; else every
+    case in a subprocess of its own (``run_in_subprocess``, with ``extra(model, mesh)``
+    arguments), the results published as they come (``run_grid``)."""
+    if args.worker:
+        from spmd.cluster.devices import set_cpu_device_count
+
+        model, mesh = args.worker
+        set_cpu_device_count(devices(mesh), script)
+        return run_worker(lambda: work(model, mesh), {"model": model, "mesh": mesh},
+                          args.result)
+    out_json, md = outputs(args, name)
+    if args.report:
+        publish(json.loads(args.report.read_text()), out_json, md, section, render)
+        return 0
+    path = str(REPO_ROOT / script)
+    run_grid(script, argv, args.models.split(","), args.meshes.split(","),
+             lambda model, mesh: run_in_subprocess(path, model, mesh, extra(model, mesh),
+                                                   args.case_timeout),
+             out_json, md, section, render)
+    return 0
+
+
 def add_grid_arguments(parser: Any, name: str, models: Sequence[str],
                        meshes: Sequence[str], case_timeout: float = 1800) -> None:
     """The arguments of a benchmark over (model, mesh) cases run in subprocesses

@@ -16,7 +16,6 @@ Writes bench/results/spmd_pipeline.json and the section "## SPMD pipeline runtim
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Any
@@ -46,6 +45,7 @@ def run_case(model: str, mesh_name: str) -> dict[str, Any]:
     from spmd.errors import PlanError
     from spmd.runtime.stacked import stacked_executable
     from spmd.stages.schedule import bubble_formula
+    from spmd.stages.stack import ticks
 
     mesh = spmd.load_mesh(mesh_name, virtual=True)
     axis = mesh.axis_names[0]  # one stage per host
@@ -83,10 +83,10 @@ def run_case(model: str, mesh_name: str) -> dict[str, Any]:
                 memory = compiled.memory_analysis()
                 entry["compiled_gib"] = (memory.argument_size_in_bytes
                                          + memory.temp_size_in_bytes) / 2**30
-                ticks = m * repeats + p - 1
+                loop = ticks(m, repeats, p)
                 entry["hlo_transfers"] = sorted(
                     [op.bytes, op.runs] for op in collective_ops(compiled.as_text())
-                    if op.kind == "collective-permute" and op.runs == ticks)
+                    if op.kind == "collective-permute" and op.runs == loop)
                 entry["predicted_transfers"] = sorted(
                     [int(nbytes), runs] for _, nbytes, runs in plan.prediction.transfers)
             out["plans"].append(entry)
@@ -144,26 +144,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common.add_grid_arguments(parser, "spmd_pipeline", MODELS, MESHES)
     args = parser.parse_args(argv)
-    if args.worker:
+
+    def devices(mesh: str) -> int:  # the program compiles on as many as the mesh has
         import spmd
-        from spmd.cluster.devices import set_cpu_device_count
 
-        size = spmd.load_mesh(args.worker[1], virtual=True).size
-        set_cpu_device_count(size, "bench/spmd_pipeline.py")  # the program compiles on them
-        return common.run_worker(lambda: run_case(*args.worker),
-                                 {"model": args.worker[0], "mesh": args.worker[1]},
-                                 args.result)
-    out_json, md = common.outputs(args, "spmd_pipeline")
-    if args.report:
-        common.publish(json.loads(args.report.read_text()), out_json, md, SECTION, render)
-        return 0
-    common.run_grid("bench/spmd_pipeline.py", argv, args.models.split(","),
-                    args.meshes.split(","),
-                    lambda model, mesh: common.run_in_subprocess(__file__, model, mesh, [],
-                                                                 args.case_timeout),
-                    out_json, md, SECTION, render)
-    return 0
+        return spmd.load_mesh(mesh, virtual=True).size
 
+    return common.grid_main(args, argv, "bench/spmd_pipeline.py", "spmd_pipeline", SECTION,
+                            render, devices, run_case)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -20,7 +20,6 @@ Writes bench/results/two_level.json and the section "## Two-level plans
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 import warnings
@@ -132,13 +131,6 @@ def run_case(model: str, mesh_name: str, time_limit: float, compile_it: bool
     return out
 
 
-def _subprocess(model: str, mesh: str, args) -> dict[str, Any]:
-    extra = ["--time-limit", str(args.time_limit)]
-    if mesh in args.compile_on.split(","):
-        extra.append("--compile-stage")
-    return common.run_in_subprocess(__file__, model, mesh, extra, args.case_timeout)
-
-
 def _ms(entry: dict | None) -> str:
     """A plan's predicted ms, with how many of its stages recompute and whether it fits."""
     if not entry or "time" not in entry:
@@ -234,23 +226,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="meshes whose cases compile stage 0's programs (comma-separated)")
     parser.add_argument("--compile-stage", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker:
-        from spmd.cluster.devices import set_cpu_device_count
 
-        set_cpu_device_count(8, "bench/two_level.py")  # a stage of 8 GPUs compiles on 8
-        return common.run_worker(lambda: run_case(*args.worker, args.time_limit,
-                                                  args.compile_stage),
-                                 {"model": args.worker[0], "mesh": args.worker[1]},
-                                 args.result)
-    out_json, md = common.outputs(args, "two_level")
-    if args.report:
-        common.publish(json.loads(args.report.read_text()), out_json, md, SECTION, render)
-        return 0
-    common.run_grid("bench/two_level.py", argv, args.models.split(","), args.meshes.split(","),
-                    lambda model, mesh: _subprocess(model, mesh, args), out_json, md, SECTION,
-                    render)
-    return 0
+    def extra(model: str, mesh: str) -> list[str]:
+        return ["--time-limit", str(args.time_limit)] + (
+            ["--compile-stage"] if mesh in args.compile_on.split(",") else [])
 
+    return common.grid_main(
+        args, argv, "bench/two_level.py", "two_level", SECTION, render,
+        lambda mesh: 8,  # a stage of 8 GPUs compiles on 8
+        lambda model, mesh: run_case(model, mesh, args.time_limit, args.compile_stage), extra)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -11,7 +11,7 @@ import jax
 from flax import nnx
 
 from spmd.cluster.mesh import DeviceMesh
-from spmd.errors import InfeasibleError, PlanError
+from spmd.errors import PlanError, check_budget
 from spmd.manual import get_method, manual_specs
 from spmd.options import SearchOptions
 from spmd.plan import Plan
@@ -104,17 +104,9 @@ def plan_manual(sig: StepSignature, mesh: DeviceMesh, method: str,
         scored = score_manual(sig, mesh, method, options, inputs=inputs)
         result.prediction = scored.prediction
         result.constraints = dict(scored.constraints)
-        _check_budget(result, options.memory_budget)
+        check_budget(method, result.prediction.memory_bytes, options.memory_budget,
+                     "pick another method, or method='auto', which plans under the budget")
     return result
-
-
-def _check_budget(p: Plan, budget: float | None) -> None:
-    """A hand-written plan is not searched under the budget: it fits, or it is an error."""
-    if budget is not None and p.prediction.memory_bytes > budget:
-        raise InfeasibleError(
-            f"method {p.method!r} needs {p.prediction.memory_bytes / 2**30:.2f} GiB per device "
-            f"(predicted), over memory_budget={budget:.4g} bytes ({budget / 2**30:.2f} GiB); "
-            f"pick another method, or method='auto', which plans under the budget")
 
 
 @contextlib.contextmanager

@@ -23,6 +23,11 @@ class PlanError(SpmdError):
     """A plan cannot be built or applied (unknown method, indivisible dimension, missing names)."""
 
 
+class SolverTimeoutError(PlanError):
+    """The solver ran out of time before it found any assignment (a longer time limit, or
+    a warm start, may find one)."""
+
+
 class InfeasibleError(PlanError):
     """No plan fits the memory budget. ``least``: the least peak memory found, in words
     (e.g. ``"44.01 KiB (45064 bytes)"``), where the solver could tell."""
@@ -30,6 +35,18 @@ class InfeasibleError(PlanError):
     def __init__(self, message: str, least: str | None = None):
         super().__init__(message)
         self.least = least
+
+
+def check_budget(method: str, need: float, budget: float | None, hint: str,
+                 where: str = "per device") -> None:
+    """A hand-written plan is not searched under the memory budget: it fits, or this raises
+    an ``InfeasibleError`` saying by how much it does not, and ``hint`` what would."""
+    if budget is not None and need > budget:
+        raise InfeasibleError(
+            f"method {method!r} needs {need / 2**30:.2f} GiB {where} (predicted), over "
+            f"memory_budget={budget:.4g} bytes ({budget / 2**30:.2f} GiB) by "
+            f"{need - budget:.0f} bytes; "
+            f"{hint}")
 
 
 class OptionsError(SpmdError):

@@ -56,21 +56,38 @@ def _placed(x: jax.Array, sharding: Any) -> bool:
     return x.sharding == sharding or x.sharding.is_equivalent_to(sharding, x.ndim)
 
 
+def donates(sig, donate: bool | None) -> bool:
+    """Whether the step's new state reuses the old state's buffers: ``donate``, by default
+    for NNX steps (spmd writes their state back: the old buffers are not read again)."""
+    return donate if donate is not None else sig.graphdef is not None
+
+
+def donated_inputs(sig, donate: bool | None) -> tuple[int, ...]:
+    """The flat inputs whose buffers the step's outputs reuse: those an output aliases, when
+    it ``donates``."""
+    return tuple(sorted(set(sig.output_aliases.values()))) if donates(sig, donate) else ()
+
+
+def jit_step(plan: Any, fn, donate: bool | None = None,
+             compiler_options: Mapping[str, Any] | None = None) -> Executable:
+    """``fn`` (flat inputs -> tuple of flat outputs) jitted with ``plan``'s input and
+    output shardings, the aliased inputs donated (``donated_inputs``)."""
+    shardings = plan.input_shardings_flat()
+    jitted = jax.jit(fn, in_shardings=tuple(shardings),
+                     out_shardings=tuple(plan.output_shardings_flat()),
+                     donate_argnums=donated_inputs(plan.bound_signature(), donate))
+    return Executable(plan, jitted, shardings, dict(compiler_options or {}))
+
+
 def prepare(plan: Plan, donate: bool | None = None,
             compiler_options: Mapping[str, Any] | None = None) -> Executable:
     """Jit ``plan``'s step. ``donate`` (default: True for NNX steps, whose state spmd writes
     back) lets XLA reuse the input state's buffers for the new state."""
-    sig = plan.bound_signature()
-    donate = donate if donate is not None else sig.graphdef is not None
-    donated = tuple(sorted(set(sig.output_aliases.values()))) if donate else ()
-    fn = sig.flat_fn
+    fn = plan.bound_signature().flat_fn
     if plan.constraints or plan.rewritten:
         run = constrained(plan.program(), plan.constraints, plan.mesh.sharding_mesh())
         fn = lambda *flat: tuple(run(*flat))  # noqa: E731 (jit wants a tuple)
-    shardings = plan.input_shardings_flat()
-    jitted = jax.jit(fn, in_shardings=tuple(shardings),
-                     out_shardings=tuple(plan.output_shardings_flat()), donate_argnums=donated)
-    return Executable(plan, jitted, shardings, dict(compiler_options or {}))
+    return jit_step(plan, fn, donate, compiler_options)
 
 
 def jit_region(plan: RegionPlan, mesh: DeviceMesh):

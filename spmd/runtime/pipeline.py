@@ -50,6 +50,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd.cluster.mesh import DeviceMesh
 from spmd.errors import PlanError
+from spmd.runtime.compile import donates
 from spmd.runtime.constrain import constrained
 from spmd.runtime.transfer import StageLinks, absent, abstract, holds
 from spmd.search.regions import RegionPlan
@@ -522,7 +523,7 @@ class PipelineExecutable:
                                         st.cost.plans if st.cost is not None else {})
                          for st in plan.stages],
             plan.schedule, [i for i, leaf in enumerate(leaves) if leaf.kind == "batch"],
-            sig.output_aliases, donate=donate if donate is not None else sig.graphdef is not None)
+            sig.output_aliases, donate=donates(sig, donate))
 
     def place(self, leaves: Sequence[Any]) -> list[Any]:
         return self.pipeline.place(leaves)

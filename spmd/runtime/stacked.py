@@ -44,11 +44,10 @@ from jax.extend.core import jaxpr_as_fun
 from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd.errors import PlanError
-from spmd.runtime.compile import Executable
+from spmd.runtime.compile import Executable, jit_step
 from spmd.runtime.constrain import constrained, constraint_hooks
 from spmd.sharding import Spec, spread, to_partition_spec
 from spmd.stages.stack import RegionLayout, StackedStep, ticks
-from spmd.stages.split import UPDATE
 from spmd.trace.graph import SCAN, Scan, Value, value_key
 from spmd.trace.interpret import eval_jaxpr_with
 
@@ -481,28 +480,18 @@ class StackedPipeline:
             return RECOMPUTED
         if y is None or not self.varies[y.node]:
             return STAGED
-        readers = [c for c in self.graph.nodes[y.node].consumers]
-        if not forward and all(self.phase[c] == UPDATE for c in readers):
+        if not forward and not self.step.kept_per_microbatch(y):
             return STAGED_SUM
         return STAGED_MICRO
 
 
 def stacked_executable(plan: Any, donate: bool | None = None) -> Executable:
     """A ``PipelinePlan`` of the SPMD runtime made runnable: its one program jitted on the
-    whole mesh with the plan's shardings. ``donate`` (default: True for NNX steps, whose
-    state spmd writes back, as ``spmd.runtime.compile.prepare`` does): the new state reuses
-    the old one's buffers."""
-    sig = plan.signature
+    whole mesh with the plan's shardings (``spmd.runtime.compile.jit_step``, the aliased
+    state donated by default, as ``prepare`` does)."""
     pipeline = StackedPipeline(plan.stacked, microbatches=plan.microbatches,
                                stages=len(plan.stages), repeats=plan.repeats,
                                stage_axis=plan.stage_axis, layouts=plan.layouts,
                                recompute=plan.recompute)
-    shardings = plan.input_shardings_flat()
-    aliased = dict(sig.output_aliases)
-    donate = donate if donate is not None else sig.graphdef is not None
     step = pipeline.function(plan.mesh.sharding_mesh())
-    jitted = jax.jit(lambda *flat: tuple(step(*flat)), in_shardings=tuple(shardings),
-                     out_shardings=tuple(shardings[aliased[k]] if k in aliased else None
-                                         for k in range(len(sig.out_avals))),
-                     donate_argnums=tuple(sorted(set(aliased.values()))) if donate else ())
-    return Executable(plan, jitted, shardings)
+    return jit_step(plan, lambda *flat: tuple(step(*flat)), donate)

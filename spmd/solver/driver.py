@@ -44,7 +44,7 @@ from typing import Sequence
 
 import numpy as np
 
-from spmd.errors import InfeasibleError, PlanError
+from spmd.errors import InfeasibleError, SolverTimeoutError
 from spmd.options import SolverOptions
 from spmd.solver.cpsat import OutOfTime, Scaled, build, memory_unit, rescale, run
 from spmd.solver.local_search import local_search
@@ -188,7 +188,7 @@ def solve(request: SolverRequest, options: SolverOptions = SolverOptions()) -> S
         return best_seed(timed_out=False, built=built)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         if not scored:
-            raise PlanError(
+            raise SolverTimeoutError(
                 f"solver found no assignment within time_limit={request.time_limit:g} s "
                 f"({built.num_variables} variables); raise the time limit or pass a warm_start")
         return best_seed(timed_out=not stalled, stalled=stalled, built=built)

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import jax
 
 from spmd.cluster.mesh import DeviceMesh, Link
-from spmd.errors import InfeasibleError, PlanError
+from spmd.errors import PlanError, check_budget
 from spmd.logical import user_pins
 from spmd.manual import manual_specs
 from spmd.options import SearchOptions
@@ -193,15 +193,11 @@ def plan_manual_pipeline(full: StepSignature, args: Sequence[Any], mesh: DeviceM
 
 def _check_budget(plan: PipelinePlan, options: SearchOptions) -> None:
     """A priced plan over ``options.memory_budget`` is an error that says by how much."""
-    budget = options.memory_budget
-    if budget is not None and plan.prediction.memory_bytes > budget:
-        need = plan.prediction.memory_bytes
-        raise InfeasibleError(
-            f"method {plan.method!r} needs {need / 2**30:.2f} GiB ({need:.0f} bytes) per "
-            f"device on its fullest stage (predicted), over memory_budget={budget:.4g} "
-            f"bytes ({budget / 2**30:.2f} GiB); pick another method, more stages or "
-            + ("repeats, or PipelineOptions(runtime='mpmd') for 1F1B (fewer microbatches held)"
-               if plan.runtime == "spmd" else "more microbatches"))
+    check_budget(plan.method, plan.prediction.memory_bytes, options.memory_budget,
+                 "pick another method, more stages or "
+                 + ("repeats, or PipelineOptions(runtime='mpmd') for 1F1B (fewer microbatches "
+                    "held)" if plan.runtime == "spmd" else "more microbatches"),
+                 where="per device on its fullest stage")
 
 
 def shared_copy_time(split: StageSplit, leaves: Sequence[Leaf], specs: Sequence[Spec],

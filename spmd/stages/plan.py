@@ -142,6 +142,14 @@ class PipelinePlan:
                               to_partition_spec(self.stages[h].input_specs[i]))
                 for i, h in enumerate(self.homes())]
 
+    def output_shardings_flat(self) -> list:
+        """Per flat output of the SPMD runtime's one program: the new value of an input in
+        that input's sharding (the state stays where it is), anything else left to XLA."""
+        aliased = self.signature.output_aliases
+        inputs = self.input_shardings_flat()
+        return [inputs[aliased[o]] if o in aliased else None
+                for o in range(len(self.signature.out_avals))]
+
     def to_dict(self) -> dict:
         """A record of the plan (JSON-ready): its stages, their devices and every input's
         spec there, the schedule and the prediction. It is not loaded back: a pipeline is

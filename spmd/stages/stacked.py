@@ -42,7 +42,7 @@ import dataclasses
 from typing import Sequence
 
 from spmd.cluster.mesh import DeviceMesh, Link
-from spmd.errors import PlanError
+from spmd.errors import PlanError, SolverTimeoutError
 from spmd.options import SearchOptions
 from spmd.stages.stack import (LayerStack, RegionLayout, StackedStep, find_stack,
                                stacked_leaves, ticks)
@@ -103,9 +103,7 @@ def plan_stacked_pipeline(full: StepSignature, micro: StepSignature, layered: La
             return search_region(region, on, step_inputs=inputs,
                                  output_aliases=micro.output_aliases, options=scoring,
                                  cache=cache)
-        except PlanError as err:
-            if "time_limit" not in str(err):  # not the solver out of time: a real failure
-                raise
+        except SolverTimeoutError:  # the scoring's short limit: once more with the full one
             return search_region(region, on, step_inputs=inputs,
                                  output_aliases=micro.output_aliases, cache=cache,
                                  options=dataclasses.replace(scoring,
