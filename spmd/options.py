@@ -274,6 +274,11 @@ class SearchOptions:
         """``rules`` in their one ordered form (``normalize_rules``)."""
         return normalize_rules(self.rules)
 
+    def budget_for(self, mesh) -> float:
+        """Bytes per device a plan may use on ``mesh``: ``memory_budget``, else the memory
+        of the mesh's device."""
+        return mesh.device.memory_bytes if self.memory_budget is None else self.memory_budget
+
     def scoring(self) -> tuple[float, SolverOptions]:
         """The time limit and solver options for scoring one hand-written plan."""
         return (min(self.time_limit, self.score_time_limit),

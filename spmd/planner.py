@@ -130,7 +130,7 @@ def plan_auto(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions,
             scores[name] = scored.prediction
             if best is None or scored.prediction.total_time < best[1].prediction.total_time:
                 best = (name, scored)
-    budget = mesh.device.memory_bytes if options.memory_budget is None else options.memory_budget
+    budget = options.budget_for(mesh)
     base_job, remat, moved, probes, notes, program = job, None, None, None, None, None
     with timings.phase("search"):
         result, _ = search_under(job, budget, options, best[1] if best else None)

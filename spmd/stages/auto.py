@@ -80,7 +80,7 @@ def hand_written_pipelines(full: StepSignature, args: Sequence[Any], mesh: Devic
     stages = mesh.shape[axis]
     if stages < max(pipe.min_stages, 2) or (pipe.max_stages and stages > pipe.max_stages):
         return {}
-    budget = mesh.device.memory_bytes if options.memory_budget is None else options.memory_budget
+    budget = options.budget_for(mesh)
     along = dataclasses.replace(options, pipeline=dataclasses.replace(pipe, stage_axis=axis))
     out: dict[str, PipelinePlan | str] = {}
     for method in methods:
@@ -152,7 +152,7 @@ def plan_two_level(full: StepSignature, args: Sequence[Any], mesh: DeviceMesh,
     of the step already made (else made here)."""
     timings = timings if timings is not None else Stopwatch()
     pipe = options.pipeline
-    budget = mesh.device.memory_bytes if options.memory_budget is None else options.memory_budget
+    budget = options.budget_for(mesh)
     rows = min((leaf.shape[0] for leaf in full.leaves if leaf.kind == "batch" and leaf.shape),
                default=0)
     cache = RegionCache()
@@ -274,7 +274,7 @@ def _plan_stages(full: StepSignature, mesh: DeviceMesh, options: SearchOptions,
     meshes = carve(mesh, len(starts))
     link = stage_link(mesh, meshes)
     sched = schedule(options.pipeline.schedule, len(starts), microbatches)
-    budget = mesh.device.memory_bytes if options.memory_budget is None else options.memory_budget
+    budget = options.budget_for(mesh)
     bounds = list(starts) + [layered.num_layers]
     inputs = _inputs(micro, meshes[0], options)
     # each task's intermediates searched around the pinned inputs (not only scored)

@@ -170,7 +170,7 @@ def plan_manual_pipeline(full: StepSignature, args: Sequence[Any], mesh: DeviceM
     scoring = dataclasses.replace(options, time_limit=options.scoring()[0])
     link = mesh.link(pipe.stage_axis) if p > 1 else None
     bounds = starts + [layers]
-    budget = mesh.device.memory_bytes if options.memory_budget is None else options.memory_budget
+    budget = options.budget_for(mesh)
     sched = schedule(pipe.schedule, p, m)
     stages = []
     for s, sub in enumerate(meshes):

@@ -143,7 +143,7 @@ def plan_stacked_pipeline(full: StepSignature, micro: StepSignature, layered: La
     link = mesh.link(pipe.stage_axis) if p > 1 else None
     plan.prediction = _predict(step, (m, p, v), searched, update, micro, meshes[0], mesh,
                                specs, whole_specs, link)
-    budget = mesh.device.memory_bytes if options.memory_budget is None else options.memory_budget
+    budget = options.budget_for(mesh)
     if plan.prediction.memory_bytes > budget:  # every stage recomputes, as an expert turns
         plan.recompute = True                  # on remat where memory needs it
         plan.prediction = _predict(step, (m, p, v), searched, update, micro, meshes[0], mesh,
