@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
+from spmd.cluster.agree import first_process
 from spmd.cluster.mesh import DeviceMesh
 from spmd.errors import warn
 from spmd.options import SearchOptions
@@ -46,12 +47,22 @@ def cache_path(sig: StepSignature, inputs: Sequence[InputInfo], mesh: DeviceMesh
     return options.directory() / f"{digest.hexdigest()[:32]}.json"
 
 
+def _read(path: Path | None) -> str | None:
+    """The text of a cache file, or None when there is none. In a multi-process run, the
+    first process's file: another process may not have it yet (or, on another host, at
+    all), and every process must go on from the same plan."""
+    if path is None:
+        return None
+    return first_process(lambda: path.read_text() if path.exists() else None)
+
+
 def load(path: Path | None, sig: StepSignature, mesh: DeviceMesh) -> Plan | None:
     """The cached plan bound to ``sig``, or None when there is none that fits."""
-    if path is None or not path.exists():
+    text = _read(path)
+    if text is None:
         return None
     try:
-        cached = Plan.from_dict(json.loads(path.read_text()), mesh)
+        cached = Plan.from_dict(json.loads(text), mesh)
     except (ValueError, KeyError, TypeError):
         return None
     if len(cached.input_specs) != len(sig.leaves):
@@ -80,10 +91,11 @@ def record_path(plan_path: Path | None, kind: str) -> Path | None:
 
 def load_record(path: Path | None) -> dict | None:
     """A record ``save_record`` wrote, or None when there is none or it does not parse."""
-    if path is None or not path.exists():
+    text = _read(path)
+    if text is None:
         return None
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(text)
     except ValueError:
         return None
     return raw if isinstance(raw, dict) and raw.get("version") == FORMAT_VERSION else None

@@ -21,6 +21,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from spmd import rules as _rules
+from spmd.cluster.agree import first_process
 from spmd.cluster.mesh import DeviceMesh
 from spmd.errors import PlanError
 from spmd.options import SearchOptions, SolverOptions
@@ -146,8 +147,9 @@ class IntraOp:
         with watch.phase("request"):
             req = enc.request(budget, time_limit)
             req.warm_start = warm
-        with watch.phase("solve"):
-            res = solve(req, options)
+        with watch.phase("solve"):  # (a clock-bounded answer: the same on every process)
+            res = first_process(lambda: solve(req, options), encode=dataclasses.asdict,
+                                decode=lambda raw: SolverResult(**raw))
         with watch.phase("predict"):
             node_choice = enc.node_choice(res.choice)
             pred = predict(enc, node_choice)
