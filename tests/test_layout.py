@@ -12,7 +12,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "spmd"
 LAYERS = [
     {"spmd.errors", "spmd.sharding", "spmd.options", "spmd.timing", "spmd.dtypes"},
     {"spmd.cluster.hardware", "spmd.cluster.devices", "spmd.cluster.mesh",
-     "spmd.cluster.distributed"},
+     "spmd.cluster.distributed", "spmd.cluster.agree"},
     {"spmd.trace.graph", "spmd.trace.interpret", "spmd.trace.signature", "spmd.trace.layers",
      "spmd.trace.regions"},
     {"spmd.cost.partitioner"},  # what XLA emits: the rules ask it which collective
