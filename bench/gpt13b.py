@@ -47,6 +47,7 @@ def run(compile_it: bool) -> dict[str, Any]:
     out: dict[str, Any] = {
         "model": MODEL, "mesh": MESH, "plan_seconds": time.perf_counter() - start,
         "budget_bytes": mesh.device.memory_bytes,
+        "planned_under_bytes": spmd.SearchOptions().budget_for(mesh),
         "remat": plan.remat.to_dict() if plan.remat else None,
         "remat_summary": plan.remat.summary() if plan.remat else "none",
         "offload_summary": (plan.offload.summary(plan.leaves) if plan.offload else "none"),
@@ -84,6 +85,8 @@ def render(data: dict[str, Any]) -> str:
     tokens = data["tokens_per_step"] / p["total_time"]
     rows = [["predicted peak", f"{p['memory_bytes'] / gib:.2f} GiB"],
             ["budget (the device's memory)", f"{budget / gib:.2f} GiB"],
+            ["planned under (less the memory headroom)",
+             f"{data.get('planned_under_bytes', budget) / gib:.2f} GiB"],
             ["rematerialized", data["remat_summary"]],
             ["offloaded to host memory", data.get("offload_summary", "none")],
             ["predicted step", f"{p['total_time'] * 1e3:.0f} ms, {tokens:,.0f} tokens/s"],

@@ -37,6 +37,15 @@ class InfeasibleError(PlanError):
         self.least = least
 
 
+def format_bytes(n: float) -> str:
+    """``37.25 GiB (40000000000 bytes)``: the unit a person reads, and the exact figure."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit} ({n:.0f} bytes)"
+    return f"{n:.0f} bytes"
+
+
+
 def check_budget(method: str, need: float, budget: float | None, hint: str,
                  where: str = "per device") -> None:
     """A hand-written plan is not searched under the memory budget: it fits, or this raises

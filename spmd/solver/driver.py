@@ -44,7 +44,7 @@ from typing import Sequence
 
 import numpy as np
 
-from spmd.errors import InfeasibleError, SolverTimeoutError
+from spmd.errors import InfeasibleError, SolverTimeoutError, format_bytes
 from spmd.options import SolverOptions
 from spmd.solver.cpsat import OutOfTime, Scaled, build, memory_unit, rescale, run
 from spmd.solver.local_search import local_search
@@ -52,7 +52,7 @@ from spmd.solver.min_sum import min_sum_seed
 from spmd.solver.request import (Reduced, SolverRequest, SolverResult, evaluate, memory_peak,
                                  reduce, validate)
 
-__all__ = ["format_bytes", "solve"]
+__all__ = ["solve"]
 
 
 def solve(request: SolverRequest, options: SolverOptions = SolverOptions()) -> SolverResult:
@@ -253,11 +253,3 @@ def _least_peak(r: SolverRequest, prob: Reduced, scaled: Scaled, options: Solver
     # Lower bound without the solver: each set with every node at its smallest value.
     low = max(sum(min(row) for _, row in r.set_terms(i)) for i in range(len(r.liveness)))
     return f"at least {format_bytes(low)}"
-
-
-def format_bytes(n: float) -> str:
-    """``37.25 GiB (40000000000 bytes)``: the unit a person reads, and the exact figure."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit} ({n:.0f} bytes)"
-    return f"{n:.0f} bytes"

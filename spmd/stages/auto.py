@@ -202,8 +202,8 @@ def plan_two_level(full: StepSignature, args: Sequence[Any], mesh: DeviceMesh,
                 break
             previous = total
     if best is None:
-        raise InfeasibleError(f"no pipeline of {', '.join(map(str, counts))} stages fits the "
-                              f"memory budget of {budget / 2**30:.2f} GiB per device")
+        raise InfeasibleError(f"no pipeline of {', '.join(map(str, counts))} stages fits "
+                              f"{options.budget_words(mesh)}")
     with timings.phase("stage_plans"):
         plan = _final_plan(full, mesh, options, traced[best.microbatches], best, cache)
     plan.search = {"stage_counts": counts, "candidates": tried,
