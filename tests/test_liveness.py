@@ -49,3 +49,34 @@ def test_peak_and_busiest_points_and_own_peaks():
     together = live.own_peaks([0] * len(live.intervals))
     t = totals.argmax()
     assert set(together[0].tolist()) == set(live.live_at(int(t)).tolist())
+
+
+def test_a_cheap_value_is_remade_in_its_fusible_readers():
+    """``b = x + 1`` is kept only as long as a matmul reads it; read later by fusible ops
+    only, it is not held in between (XLA's fusion computes it again there from ``x``, which
+    is kept anyway). ``e = exp(x)`` is not cheap: it is held to its last reader."""
+    from spmd.search.fusion import REMAKING
+
+    def step(x, w):
+        b = x + 1.0
+        e = jnp.exp(x)
+        m = b @ w  # a reader that cannot fuse b
+        h = jnp.tanh(m) @ w
+        return (h * b).sum() + (h * e).sum()  # b and e read again, by fusible ops
+
+    g = build_graph(jax.make_jaxpr(step)(jnp.ones((8, 8)), jnp.ones((8, 8))))
+
+    def spans(live: Liveness) -> dict[str, tuple[int, int]]:
+        """Each primitive's first value's live range."""
+        out: dict[str, tuple[int, int]] = {}
+        for v, a, b in live.intervals:
+            if g.nodes[v.node].kind == "op":
+                out.setdefault(g.nodes[v.node].op.primitive, (a, b))
+        return out
+
+    first = spans(Liveness(g, donated=set()))
+    remade = spans(Liveness(g, donated=set(), remaking=REMAKING))
+    dots = [n.id for n in g.nodes if n.kind == "op" and n.op.primitive == "dot_general"]
+    add = remade["add"]
+    assert add[1] == dots[0] and first["add"][1] > dots[1]  # to the matmul, not beyond
+    assert remade["exp"] == first["exp"] and first["exp"][1] > dots[1]

@@ -63,7 +63,7 @@ from spmd.cost.time import CostModel
 from spmd.errors import PlanError
 from spmd.memory.liveness import Liveness
 from spmd.memory.offload import destination, host_values
-from spmd.search.fusion import constant_made, fuse, never_in_memory
+from spmd.search.fusion import REMAKING, constant_made, fuse, never_in_memory
 from spmd.search.layout import transposed_operands
 from spmd.sharding import (Spec, all_specs, bytes_per_device, format_spec, is_valid, replicated,
                            shard_shape)
@@ -215,7 +215,7 @@ class CostGraph:
         self.constant_made = frozenset(constant_made(graph))
         self.liveness = Liveness(graph, donated=set(self.aliases.values()),
                                  fused=never_in_memory(graph, self.fusion),
-                                 host=host_values(graph))
+                                 host=host_values(graph), remaking=REMAKING)
         # Repeated layers repeat shapes and spec lists: prices are memoized on them.
         self._reshards: dict[tuple, tuple[float, tuple]] = {}
         self._matrices: dict[tuple, tuple[np.ndarray, tuple, tuple]] = {}

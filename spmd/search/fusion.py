@@ -34,12 +34,14 @@ from typing import Sequence
 
 import numpy as np
 
+from spmd.memory.liveness import Remaking
 from spmd.rules.elementwise import ELEMENTWISE
 from spmd.rules.random import KEY_OPS
 from spmd.rules.reduce import ARG_REDUCTIONS, REDUCTIONS
 from spmd.trace.graph import Graph, Value
 
-__all__ = ["FREE", "FUSIBLE", "Fusion", "constant_made", "fuse", "never_in_memory"]
+__all__ = ["DUPLICABLE", "FREE", "FUSIBLE", "REMAKING", "Fusion", "constant_made", "fuse",
+           "never_in_memory"]
 
 #: ops XLA merges with their neighbours into loop fusions
 FUSIBLE = frozenset(ELEMENTWISE) | frozenset(REDUCTIONS) | frozenset(ARG_REDUCTIONS) | {
@@ -49,6 +51,18 @@ FUSIBLE = frozenset(ELEMENTWISE) | frozenset(REDUCTIONS) | frozenset(ARG_REDUCTI
 _ROOTS = frozenset(REDUCTIONS) | frozenset(ARG_REDUCTIONS)
 #: pseudo-ops carrying values across a scan's boundary: no kernel, no traffic
 FREE = frozenset({"scan_carry", "scan_carry_out", "scan_slice", "scan_stack"})
+#: cheap ops XLA's fusion duplicates into each consumer's kernel (``InstructionFusion`` with
+#: duplication allowed, as on CPU and GPU), rather than keep their result in memory for a
+#: later reader; it does not duplicate what ``HloInstruction::IsExpensive`` calls expensive
+#: (divide, exp, log, tanh, sqrt, rsqrt, power and the other transcendentals)
+DUPLICABLE = frozenset({
+    "abs", "neg", "not", "sign", "floor", "ceil", "round", "integer_pow", "square",
+    "convert_element_type", "copy", "copy_p", "reduce_precision", "stop_gradient",
+    "bitcast_convert_type", "add", "sub", "mul", "max", "min", "and", "or", "xor", "eq", "ne",
+    "lt", "gt", "le", "ge", "select_n", "clamp", "add_any", "broadcast_in_dim", "reshape",
+    "squeeze", "expand_dims"})
+#: what the liveness model needs of the above (``spmd.memory.liveness.Remaking``)
+REMAKING = Remaking(DUPLICABLE, FUSIBLE, FREE)
 #: ops that read only the part of operand 0 they return (as many bytes as their output)
 SLICING = frozenset({"gather", "slice", "dynamic_slice"})
 #: ops that update operand 0 in place: they read and write only the update (operand 1 for
