@@ -45,7 +45,6 @@ def format_bytes(n: float) -> str:
     return f"{n:.0f} bytes"
 
 
-
 def check_budget(method: str, need: float, budget: float | None, hint: str,
                  where: str = "per device") -> None:
     """A hand-written plan is not searched under the memory budget: it fits, or this raises
