@@ -9,9 +9,11 @@ them. This module times, on every device of a mesh at once (as a training step u
   enough to time); memory bandwidth (an elementwise op over a large buffer, bytes read plus
   written); the host link (a buffer copied to pinned host memory and back, each way's
   bytes per second); the bandwidth of a transpose (a square matrix copied transposed); a 3x3
-  convolution's FLOP/s beside the matmul's; and the per-kernel overhead (what one more
+  convolution's FLOP/s beside the matmul's; the per-kernel overhead (what one more
   kernel adds to a program: a chain of tiny dependent matmuls, each its own kernel, timed
-  at two lengths);
+  at two lengths); and the elements per second of each kind of op besides matmuls
+  (elementwise arithmetic, divisions, roots, exponentials, reductions: ``op_rates``),
+  several per element in one kernel, so that the compute and not the memory is timed;
 * per mesh axis of size > 1, each collective kind over a range of sizes, the other axes
   running their own groups meanwhile. Latency alpha and inverse bandwidth beta are fitted
   to ``t = alpha + beta * x``, where x is the bytes the cost model's ring formula charges
@@ -64,16 +66,17 @@ class TimedShapes:
     buffer: int  # the elementwise op's buffer, bytes per device
     transpose_side: int  # the square fp32 matrix transposed
     conv_shape: tuple[int, int, int, int]  # NHWC of a 3x3 convolution keeping its channels
+    op_side: int  # ops of each rated kind run on a square fp32 matrix of this side
 
 
 #: by platform, then in quick mode
 _DEVICE_SHAPES = {
     ("cpu", False): TimedShapes((8, 16, 32, 64, 128, 256, 512), 64, 32 * MIB, 256,
-                                (8, 16, 16, 64)),
-    ("cpu", True): TimedShapes((8, 32, 128), 64, 4 * MIB, 128, (4, 8, 8, 64)),
+                                (8, 16, 16, 64), 256),
+    ("cpu", True): TimedShapes((8, 32, 128), 64, 4 * MIB, 128, (4, 8, 8, 64), 128),
     ("gpu", False): TimedShapes((64, 128, 256, 1024, 2048, 4096, 8192), 256, 1024 * MIB, 4096,
-                                (32, 32, 32, 256)),
-    ("gpu", True): TimedShapes((64, 256, 2048), 256, 256 * MIB, 2048, (8, 32, 32, 256)),
+                                (32, 32, 32, 256), 8192),
+    ("gpu", True): TimedShapes((64, 256, 2048), 256, 256 * MIB, 2048, (8, 32, 32, 256), 4096),
 }
 #: the k-iteration run: about this many seconds (by quick), and 4 to 63 iterations more than
 #: the 1-iteration run it is compared with (enough that their noise does not dominate)
@@ -81,6 +84,9 @@ _LOOP_SECONDS = {False: 0.05, True: 0.01}
 _EXTRA_ITERATIONS = (4, 63)
 #: how many more kernels the long chain of ``_Timer.overhead`` runs than the short one
 _CHAIN = 16
+#: ops of one kind per element in ``_Timer.op_rates``'s loop body (one fused kernel), so
+#: that their compute outweighs the kernel's read and write of the matrix
+_OP_CHAIN = 8
 #: how many times longer a loop lost in noise runs on each retry
 _LONGER = (1, 4, 16)
 
@@ -111,6 +117,7 @@ class DeviceFigures:
     memory_bytes: int
     kernel_overhead: float  # seconds one more kernel adds to a program
     shapes: TimedShapes  # what was timed
+    op_rates: dict[str, float]  # kind of op (OP_RATE_KINDS) -> elements per second
 
     @property
     def flops(self) -> dict[str, float]:
@@ -166,6 +173,7 @@ class Profile:
                 1.0, figures.transpose_bandwidth / figures.memory_bandwidth)),
             conv_fraction=_round(figures.conv_fraction()),
             host_bandwidth=_round(figures.host_bandwidth),
+            op_rates=tuple((kind, _round(rate)) for kind, rate in figures.op_rates.items()),
             source=f"measured by spmd profile, {self.environment['date']}, jax "
                    f"{self.environment['jax']}")
         links = {axis: Link(_round(self.links[axis].bandwidth), _round(self.links[axis].latency))
@@ -213,6 +221,9 @@ class Profile:
             f"{_rate(figures.conv_rates['float32'])}FLOP/s",
             f"kernel overhead: {figures.kernel_overhead * 1e6:.2f} us per kernel (a chain of "
             f"tiny matmuls, each its own kernel, timed at two lengths)",
+            f"op rates (op_rates, elements per second; {_OP_CHAIN} ops of a kind per element "
+            f"of a {shapes.op_side}x{shapes.op_side} fp32 matrix, in one kernel): "
+            + ", ".join(f"{kind} {_rate(rate)}" for kind, rate in figures.op_rates.items()),
             f"collectives: medians of {self.repeats} repeats, dispatch excluded; each "
             f"axis's link is the joint fit of {' and '.join(LINK_KINDS)}" if self.links
             else "collectives: none timed (no axis of size > 1)",
@@ -230,7 +241,9 @@ class Profile:
                  f"{_rate(figures.flops['float32'])}FLOP/s; memory "
                  f"{_rate(figures.memory_bandwidth)}B/s, transposed "
                  f"{_rate(figures.transpose_bandwidth)}B/s; kernel overhead "
-                 f"{figures.kernel_overhead * 1e6:.2f} us per kernel"]
+                 f"{figures.kernel_overhead * 1e6:.2f} us per kernel",
+                 "op rates (elements/s): " + ", ".join(
+                     f"{kind} {_rate(rate)}" for kind, rate in figures.op_rates.items())]
         for axis, fit in self.links.items():
             lines.append(f"axis {axis} ({self.source.shape[axis]} devices): "
                          f"{_rate(fit.bandwidth)}B/s, {fit.latency * 1e6:.1f} us "
@@ -286,7 +299,7 @@ def profile_mesh(mesh: DeviceMesh, sizes: Sequence[int] | None = None, quick: bo
             conv_rates={dtype: timer.conv(shapes.conv_shape, dtype)
                         for dtype in ("bfloat16", "float32")},
             memory_bytes=int(stats.get("bytes_limit", mesh.device.memory_bytes)),
-            kernel_overhead=overhead, shapes=shapes),
+            kernel_overhead=overhead, shapes=shapes, op_rates=timer.op_rates(shapes.op_side)),
         collectives=collectives, links=links, repeats=repeats,
         environment={"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                      "jax": jax.__version__, "jaxlib": jaxlib.__version__,
@@ -476,6 +489,41 @@ class _Timer:
 
         seconds = self.loop(body, [(shape, dtype), ((3, 3, channels, channels), dtype)])
         return _per_second(2.0 * 9 * math.prod(shape) * channels, seconds, f"{dtype} convolution")
+
+    def op_rates(self, side: int) -> dict[str, float]:
+        """Elements per second of each kind of op in ``OP_RATE_KINDS`` per device: a loop
+        body of ``_OP_CHAIN`` such ops per element of a ``side`` x ``side`` fp32 matrix,
+        which XLA fuses into one kernel. Exponentials alternate exp and tanh. A division
+        (``1 / (y + 1)``: one by its own result would simplify away) and a reduction (over
+        the minor and the major dimension in turn, its result scaled and added back) come
+        with elementwise ops, whose time at the elementwise rate is taken off theirs."""
+        import jax.numpy as jnp
+
+        matrix = [((side, side), "float32")]
+        elements = float(_OP_CHAIN * side * side)
+
+        def chain(op: Callable) -> Callable:
+            def body(y):
+                for i in range(_OP_CHAIN):
+                    y = op(y, i)
+                return y
+            return body
+
+        def rate(kind: str, op: Callable, plain: int = 0) -> float:
+            seconds = self.loop(chain(op), matrix)
+            if plain:
+                seconds = max(seconds - plain * elements / rates["elementwise"], 0.5 * seconds)
+            return _per_second(elements, seconds, f"{kind} ops")
+
+        rates: dict[str, float] = {}
+        rates["elementwise"] = rate("elementwise", lambda y, i: y + 1e-3 if i % 2 else y * 0.999)
+        rates["divide"] = rate("divide", lambda y, _: 1.0 / (y + 1.0), plain=1)
+        rates["root"] = rate("root", lambda y, _: jnp.sqrt(y))
+        rates["exponential"] = rate("exponential",
+                                    lambda y, i: jnp.exp(-y) if i % 2 else jnp.tanh(y))
+        rates["reduce"] = rate("reduce", lambda y, i: y + 1e-3 * jnp.sum(
+            y, axis=i % 2, keepdims=True), plain=2)
+        return rates
 
     def overhead(self) -> float:
         """Seconds one more kernel adds to a program on every device: chains of 1 and of

@@ -9,6 +9,7 @@ import pytest
 
 import spmd
 from spmd.cli import main
+from spmd.cluster.hardware import OP_RATE_KINDS
 from spmd.cluster.mesh import make_mesh
 from spmd.errors import MeshError, ProfileError
 from spmd.profile import LINK_KINDS, fit_link, profile_mesh
@@ -46,6 +47,8 @@ def test_the_written_file_loads_as_the_measured_mesh(measured, tmp_path):
     assert all(0 < f <= 1 for _, f in device.matmul_curve)
     assert dict(device.matmul_curve)[2.0 * 128**3] == 1.0  # the largest sets the rate
     assert 0 < device.transpose_fraction <= 1 and 0 < device.conv_fraction <= 1
+    assert [kind for kind, _ in device.op_rates] == list(OP_RATE_KINDS)
+    assert all(_positive_finite(rate) for _, rate in device.op_rates)
     assert (device.matmul_fraction, device.bandwidth_fraction) == (1.0, 1.0)  # all measured
     link = loaded.links["model"]
     assert _positive_finite(link.bandwidth) and link.latency >= 0

@@ -159,6 +159,40 @@ def test_a_batched_matmul_is_priced_at_the_rate_of_one_of_its_matmuls():
     assert per_flop[0] > 3 * per_flop[1]
 
 
+def test_a_rated_op_takes_at_least_its_elements_at_its_kinds_rate(tmp_path):
+    """On a device whose profile rates exponentials at 1 G elements/s (XLA:CPU's tanh runs
+    near that), a tanh over 256 x 1024 elements costs its elements at that rate, though it
+    moves its bytes 25x faster; the reduction after it, its input's elements at the reduce
+    rate. A GPU (nothing rated) prices both by their bytes. The rates read back from a mesh
+    file; a kind the cost model does not know is refused, naming the valid ones."""
+    rated = {"exponential": 1e9, "reduce": 2e9}
+    fields = {"peak_flops_bf16": 1e11, "peak_flops_fp32": 1e11, "memory_bytes": 2**30,
+              "memory_bandwidth": 1e11}
+    x = jnp.ones((256, 1024))
+    costs = {}
+    for name, device in (("rated", {**fields, "op_rates": rated}), ("bytes", fields)):
+        mesh = make_mesh({"data": 1}, device=spmd.cluster.hardware.device_spec(device))
+        cg = CostGraph(_graph(lambda x: jnp.sum(jnp.tanh(x), axis=1), x),
+                       [InputInfo("x", x.shape, jnp.float32, "batch")], mesh)
+        costs[name] = {p: cg.compute[_ops(cg.graph, p)[0].id][0] for p in ("tanh", "reduce_sum")}
+    assert costs["rated"]["tanh"] == pytest.approx(x.size / 1e9)
+    assert costs["rated"]["reduce_sum"] == pytest.approx(x.size / 2e9)
+    # by bytes: tanh reads x (its output stays in the kernel), 1 M elements of FLOPs at 1e11
+    assert costs["bytes"]["tanh"] == pytest.approx(max(x.size * 4 / 1e11, x.size / 1e11))
+    assert costs["rated"]["tanh"] > 20 * costs["bytes"]["tanh"]
+    mesh = make_mesh({"data": 2}, device=spmd.cluster.hardware.device_spec(
+        {**fields, "op_rates": rated}), virtual=True)
+    path = tmp_path / "rated.yaml"
+    path.write_text(spmd.cluster.mesh.mesh_yaml(mesh))
+    assert spmd.load_mesh(path).device.op_rate("exponential") == 1e9
+    with pytest.raises(spmd.errors.MeshError, match=r"a.yaml: device.op_rates: unknown kinds "
+                                                    r"\['tanh'\]; valid kinds: elementwise, "):
+        spmd.cluster.hardware.device_spec({**fields, "op_rates": {"tanh": 1e9}},
+                                          "a.yaml: device")
+    with pytest.raises(spmd.errors.MeshError, match="reduce: expected elements per second"):
+        spmd.cluster.hardware.device_spec({**fields, "op_rates": {"reduce": -1}}, "device")
+
+
 def _slow_transposes(platform: str):
     """One device whose transposes run at a tenth of its copies (XLA:CPU's, roughly)."""
     device = spmd.cluster.hardware.device_spec(

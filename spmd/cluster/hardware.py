@@ -28,6 +28,12 @@ GPU_KERNEL_OVERHEAD = 4e-6
 #: pinned copies reach about 80% of a PCIe link's rate (NVIDIA's bandwidthTest, typical;
 #: 25-26 GB/s of PCIe 4.0 x16's 32). Not measured here: ``spmd profile`` on a GPU measures it.
 HOST_LINK_FRACTION = 0.8
+#: the kinds of op besides matmuls and convolutions whose compute a device may rate
+#: (``DeviceSpec.op_rates``, elements per second): plain elementwise arithmetic (adds, muls,
+#: compares, selects, converts), divisions, roots (sqrt, rsqrt), exponentials (exp, log,
+#: tanh, logistic, erf, pow...: the transcendentals), and reductions (per element reduced).
+#: ``spmd.cost.time.OP_KINDS`` says which primitive is which kind.
+OP_RATE_KINDS = ("elementwise", "divide", "root", "exponential", "reduce")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +74,12 @@ class DeviceSpec:
     #: bytes/s one device copies to or from pinned host memory, each way, as achieved (PCIe
     #: or NVLink-C2C; a host offload's link); 0: not known, and nothing is offloaded
     host_bandwidth: float = 0.0
+    #: (kind of op in ``OP_RATE_KINDS``, elements per second it computes), as profiled: an
+    #: op of a rated kind takes at least its elements at that rate, however few bytes it
+    #: moves. XLA:CPU computes a transcendental at 1-2 G elements/s on a 2-core host, slower
+    #: than it reads the operand; a GPU's special function units run them far faster than
+    #: its memory feeds them, so a GPU's ops are priced by their bytes alone (none rated).
+    op_rates: tuple[tuple[str, float], ...] = ()
 
     def peak_flops(self, dtype_name: str) -> float:
         """Peak FLOP/s for a compute dtype: 16-bit types run on tensor cores, the rest at fp32 rate."""
@@ -84,6 +96,10 @@ class DeviceSpec:
             return rate
         work, fraction = zip(*self.matmul_curve)
         return rate * float(np.interp(np.log(max(matmul, 1.0)), np.log(work), fraction))
+
+    def op_rate(self, kind: str) -> float | None:
+        """Elements per second of an op of ``kind`` (``OP_RATE_KINDS``); None: not rated."""
+        return dict(self.op_rates).get(kind)
 
     @property
     def bandwidth(self) -> float:
@@ -189,6 +205,7 @@ def device_spec(value: str | Mapping[str, Any] | DeviceSpec, where: str = "devic
                 transpose_fraction=float(fields.get("transpose_fraction", 1.0)),
                 conv_fraction=float(fields.get("conv_fraction", 1.0)),
                 host_bandwidth=float(fields.get("host_bandwidth", 0.0)),
+                op_rates=_op_rates(fields.get("op_rates", {}), where),
             )
         except (TypeError, ValueError) as err:
             raise MeshError(f"{where}: device fields must be numbers: {err}") from None
@@ -200,6 +217,26 @@ def _positive(value: Any) -> bool:
         return float(value) > 0
     except (TypeError, ValueError):
         return False
+
+
+def _op_rates(value: Any, where: str) -> tuple[tuple[str, float], ...]:
+    """A device's ``op_rates`` as read from a mesh file: a mapping of kinds in
+    ``OP_RATE_KINDS`` to elements per second above 0 (kept in that order); empty (as a
+    file without rates writes it, ``[]``): none rated."""
+    if value is None or (isinstance(value, (list, tuple, Mapping)) and not value):
+        return ()
+    if not isinstance(value, Mapping):
+        raise MeshError(f"{where}.op_rates: expected a mapping of op kind to elements per "
+                        f"second, e.g. {{exponential: 1.5e9}}, got {value!r}")
+    unknown = sorted(set(value) - set(OP_RATE_KINDS))
+    if unknown:
+        raise MeshError(f"{where}.op_rates: unknown kinds {unknown}; valid kinds: "
+                        f"{', '.join(OP_RATE_KINDS)}")
+    bad = [kind for kind, rate in value.items() if not _positive(rate)]
+    if bad:
+        raise MeshError(f"{where}.op_rates: {bad[0]}: expected elements per second above 0, "
+                        f"got {value[bad[0]]!r}")
+    return tuple((kind, float(value[kind])) for kind in OP_RATE_KINDS if kind in value)
 
 
 def _curve(value: Any, where: str) -> tuple[tuple[float, float], ...]:

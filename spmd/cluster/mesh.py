@@ -409,9 +409,11 @@ def mesh_yaml(mesh: DeviceMesh, header: Sequence[str] = (),
 
 def _device_value(value: Any) -> str:
     """A device field as a mesh file writes it: text plain, figures as ``_figure``, a curve
-    as a flow list of pairs."""
+    as a flow list of pairs, named rates (``op_rates``) as a flow mapping."""
     if isinstance(value, str):
         return _plain(value)
+    if isinstance(value, tuple) and value and isinstance(value[0][0], str):
+        return "{" + ", ".join(f"{_plain(k)}: {_figure(v)}" for k, v in value) + "}"
     if isinstance(value, tuple):
         return "[" + ", ".join(f"[{_figure(a)}, {_figure(b)}]" for a, b in value) + "]"
     return _figure(value)

@@ -37,9 +37,28 @@ import numpy as np
 
 from spmd.cluster.mesh import DeviceMesh
 from spmd.cost.partitioner import COLLECTIVE_KINDS, Collective, Partitioner
+from spmd.rules.elementwise import ELEMENTWISE
+from spmd.rules.reduce import ARG_REDUCTIONS, REDUCTIONS
 from spmd.sharding import Spec
 
-__all__ = ["CostModel"]
+__all__ = ["OP_KINDS", "CostModel"]
+
+_NAMED_KINDS = {
+    "divide": ("div", "rem"),
+    "root": ("sqrt", "rsqrt", "cbrt"),
+    "exponential": ("exp", "exp2", "expm1", "log", "log1p", "logistic", "tanh", "erf", "erfc",
+                    "erf_inv", "pow", "sin", "cos", "tan", "asin", "acos", "atan", "atan2",
+                    "sinh", "cosh", "asinh", "acosh", "atanh", "lgamma", "digamma", "igamma",
+                    "igammac", "igamma_grad_a", "polygamma", "zeta", "bessel_i0e",
+                    "bessel_i1e", "regularized_incomplete_beta", "random_gamma_grad"),
+    "reduce": REDUCTIONS + ARG_REDUCTIONS,
+}
+#: primitive -> its kind in ``DeviceSpec.op_rates`` (``spmd.cluster.hardware.OP_RATE_KINDS``):
+#: the named ones above, every other elementwise primitive "elementwise"
+OP_KINDS: dict[str, str] = {
+    **{p: "elementwise" for p in ELEMENTWISE},
+    **{p: kind for kind, primitives in _NAMED_KINDS.items() for p in primitives},
+}
 
 #: ``CostModel.shared``'s models, by what of a mesh prices a collective
 _SHARED: dict[str, "CostModel"] = {}
@@ -136,6 +155,14 @@ class CostModel:
         matmul of ``matmul`` FLOPs (per batch element) when given, of a convolution with
         ``conv`` (``DeviceSpec.flops``)."""
         return float(flops) / self.mesh.device.flops(np.dtype(dtype).name, matmul, conv)
+
+    def op_time(self, primitive: str, elements: float) -> float | None:
+        """Seconds to compute ``elements`` of a ``primitive`` (an elementwise op's output
+        elements, a reduction's input elements) at the device's rate for its kind
+        (``OP_KINDS``, ``DeviceSpec.op_rates``); None where the device rates no such op."""
+        kind = OP_KINDS.get(primitive)
+        rate = self.mesh.device.op_rate(kind) if kind else None
+        return None if rate is None else float(elements) / rate
 
     def host_copy_time(self, nbytes: float) -> float:
         """Seconds to copy ``nbytes`` between device and pinned host memory, one way, at the
