@@ -18,6 +18,7 @@ LAYERS = [
     {"spmd.cost.partitioner"},  # what XLA emits: the rules ask it which collective
     {"spmd.rules"},
     {"spmd.cost.time"},
+    {"spmd.kernel_timer"},  # ops timed in loops on every device at once
     {"spmd.profile"},  # measured figures for a mesh file, fitted to the cost model's formulas
     {"spmd.solver"},  # self-contained: errors and options only
     {"spmd.memory.liveness", "spmd.memory.remat", "spmd.memory.offload"},

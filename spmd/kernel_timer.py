@@ -1,0 +1,223 @@
+"""Times ops on every device of a mesh at once, as a training step runs them: the loops
+``spmd profile`` (``spmd.profile``) measures a device and its links with.
+
+Each op runs as a loop inside one jitted program, for 1 and for k iterations: the difference
+over k - 1 iterations is its time without the call's dispatch, as it runs inside a step.
+Every time is the median of repeats.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+from spmd.errors import ProfileError
+
+__all__ = ["OP_CHAIN", "Timer"]
+
+#: the k-iteration run: 4 to 63 iterations more than the 1-iteration run it is compared
+#: with (enough that their noise does not dominate)
+_EXTRA_ITERATIONS = (4, 63)
+#: how many more kernels the long chain of ``Timer.overhead`` runs than the short one
+_CHAIN = 16
+#: ops of one kind per element in ``Timer.op_rates``'s loop body (one fused kernel), so
+#: that their compute outweighs the kernel's read and write of the matrix
+OP_CHAIN = 8
+#: how many times longer a loop lost in noise runs on each retry
+_LONGER = (1, 4, 16)
+
+
+class Timer:
+    """Times ops on every device of a jax mesh at once, each device on its own block."""
+
+    def __init__(self, jmesh, repeats: int, loop_seconds: float):
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        self.jmesh, self.repeats, self.loop_seconds = jmesh, repeats, loop_seconds
+        self.devices = jmesh.devices.size
+        self.spec = PartitionSpec(tuple(jmesh.axis_names))  # dim 0 split over every axis
+        self.sharding = NamedSharding(jmesh, self.spec)
+
+    def _zeros(self, local_shape: tuple[int, ...], dtype):
+        import jax
+        import jax.numpy as jnp
+
+        shape = (local_shape[0] * self.devices, *local_shape[1:])
+        return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self.sharding)()
+
+    @staticmethod
+    def _seconds(fn: Callable, *args) -> float:
+        import jax
+
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        return time.perf_counter() - start
+
+    def loop(self, body: Callable, operands: Sequence[tuple[tuple[int, ...], object]]) -> float:
+        """Seconds of one ``body(carry, *rest)`` (the carry's shape kept) on every device at
+        once: a loop run for 1 and for k iterations, k sized so the run is long beside the
+        dispatch, which the difference cancels. The median of paired differences, each pair
+        run back to back so both see the same load of a shared host. Lost in noise (not above
+        0), it is run 4 and then 16 times longer; still lost, not above 0."""
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import PartitionSpec
+
+        def per_device(k, carry, *rest):
+            return jax.lax.fori_loop(0, k, lambda _, y: body(y, *rest), carry)
+
+        fn = jax.jit(jax.shard_map(per_device, mesh=self.jmesh, out_specs=self.spec,
+                                   in_specs=(PartitionSpec(),) + (self.spec,) * len(operands),
+                                   check_vma=False))
+        arrays = [self._zeros(shape, dtype) for shape, dtype in operands]
+        one = jnp.int32(1)
+        self._seconds(fn, one, *arrays)  # compiled and warm
+        single = self._seconds(fn, one, *arrays)
+        low, high = _EXTRA_ITERATIONS
+        seconds = 0.0
+        for longer in _LONGER:  # a loop lost in the noise of a busy host: run it longer
+            k = 1 + int(np.clip(round(longer * self.loop_seconds / single), low, longer * high))
+            many = jnp.int32(k)
+            self._seconds(fn, many, *arrays)
+            seconds = statistics.median(
+                (self._seconds(fn, many, *arrays) - self._seconds(fn, one, *arrays)) / (k - 1)
+                for _ in range(self.repeats))
+            if seconds > 0:
+                break
+        return seconds
+
+    def matmul(self, side: int, dtype: str, overhead: float, batch: int = 1) -> float:
+        """FLOP/s of a square matmul per device (``batch`` of them in one kernel), beyond
+        the kernel's ``overhead`` (priced apart): chains of 1 and 3 dependent matmuls, the
+        difference per matmul (a loop iteration cancels out)."""
+        square = [((batch, side, side) if batch > 1 else (side, side), dtype)] * 2
+        three, one = self.loop(_chain(3), square), self.loop(_chain(1), square)
+        # lost in noise: the chain of 3 alone, its loop iteration included
+        seconds = (three - one) / 2 if three > one else three / 3
+        return _per_second(2.0 * batch * side**3, max(seconds - overhead, 0.5 * seconds),
+                           f"{dtype} matmul")
+
+    def bandwidth(self, nbytes: int) -> float:
+        """Bytes read + written per second by an elementwise op per device."""
+        seconds = self.loop(lambda y: y * 0.5 + 1.0, [((nbytes // 4,), "float32")])
+        return _per_second(2.0 * nbytes, seconds, "memory bandwidth")
+
+    def host_link(self, nbytes: int) -> float:
+        """Bytes per second each device copies to pinned host memory or back (the median
+        round trip's, each way), every device at once: a host offload's link. Timed from
+        the host, as the copies are calls of their own (XLA:GPU's offload runs them as
+        asynchronous copies inside the step)."""
+        import jax
+
+        buffer = self._zeros((nbytes // 4,), "float32")
+        host = self.sharding.with_memory_kind("pinned_host")
+        device = self.sharding.with_memory_kind("device")
+        jax.block_until_ready(jax.device_put(jax.device_put(buffer, host), device))  # warm
+        trips = []
+        for _ in range(self.repeats):
+            start = time.perf_counter()
+            there = jax.block_until_ready(jax.device_put(buffer, host))
+            jax.block_until_ready(jax.device_put(there, device))
+            trips.append(time.perf_counter() - start)
+        return _per_second(2.0 * nbytes, statistics.median(trips), "host link bandwidth")
+
+    def transpose(self, side: int) -> float:
+        """Bytes read + written per second by a transpose of a square fp32 matrix per
+        device (scaled on the way, so that it is a kernel of its own)."""
+        seconds = self.loop(lambda y: y.T * 0.5, [((side, side), "float32")])
+        return _per_second(2.0 * 4 * side * side, seconds, "transpose bandwidth")
+
+    def conv(self, shape: tuple[int, int, int, int], dtype: str) -> float:
+        """FLOP/s of a 3x3 convolution per device (NHWC ``shape``, as many channels out as
+        in, padded to keep its size)."""
+        import jax
+
+        channels = shape[-1]
+
+        def body(y, kernel):
+            return jax.lax.conv_general_dilated(y, kernel, (1, 1), "SAME",
+                                                dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+        seconds = self.loop(body, [(shape, dtype), ((3, 3, channels, channels), dtype)])
+        return _per_second(2.0 * 9 * math.prod(shape) * channels, seconds, f"{dtype} convolution")
+
+    def op_rates(self, side: int) -> dict[str, float]:
+        """Elements per second of each kind of op in ``OP_RATE_KINDS`` per device: a loop
+        body of ``OP_CHAIN`` such ops per element of a ``side`` x ``side`` fp32 matrix,
+        which XLA fuses into one kernel. Exponentials alternate exp and tanh. A division
+        (``1 / (y + 1)``: one by its own result would simplify away) and a reduction (over
+        the minor and the major dimension in turn, its result scaled and added back) come
+        with elementwise ops, whose time at the elementwise rate is taken off theirs."""
+        import jax.numpy as jnp
+
+        matrix = [((side, side), "float32")]
+        elements = float(OP_CHAIN * side * side)
+
+        def chain(op: Callable) -> Callable:
+            def body(y):
+                for i in range(OP_CHAIN):
+                    y = op(y, i)
+                return y
+            return body
+
+        def rate(kind: str, op: Callable, plain: int = 0) -> float:
+            seconds = self.loop(chain(op), matrix)
+            if plain:
+                seconds = max(seconds - plain * elements / rates["elementwise"], 0.5 * seconds)
+            return _per_second(elements, seconds, f"{kind} ops")
+
+        rates: dict[str, float] = {}
+        rates["elementwise"] = rate("elementwise", lambda y, i: y + 1e-3 if i % 2 else y * 0.999)
+        rates["divide"] = rate("divide", lambda y, _: 1.0 / (y + 1.0), plain=1)
+        rates["root"] = rate("root", lambda y, _: jnp.sqrt(y))
+        rates["exponential"] = rate("exponential",
+                                    lambda y, i: jnp.exp(-y) if i % 2 else jnp.tanh(y))
+        rates["reduce"] = rate("reduce", lambda y, i: y + 1e-3 * jnp.sum(
+            y, axis=i % 2, keepdims=True), plain=2)
+        return rates
+
+    def overhead(self) -> float:
+        """Seconds one more kernel adds to a program on every device: chains of 1 and of
+        ``1 + _CHAIN`` dependent 8x8 matmuls (each its own kernel, its work negligible) in a
+        loop; the difference per matmul (a dispatch or loop iteration cancels out)."""
+        tiny = [((8, 8), "float32")] * 2
+        return max(self.loop(_chain(1 + _CHAIN), tiny) - self.loop(_chain(1), tiny), 0.0) / _CHAIN
+
+    def collective(self, kind: str, axis: str, nbytes: int) -> float:
+        """Seconds of one ``kind`` over ``axis`` with ``nbytes`` per device (B as the cost
+        model counts it: after an all-gather, before a reduce-scatter)."""
+        import jax.lax as lax
+
+        n = self.jmesh.shape[axis]
+        elements = max(n, nbytes // 4 // n * n)
+        bodies = {
+            "all-reduce": lambda y: lax.psum(y, axis),
+            "all-gather": lambda y: lax.all_gather(y[: elements // n], axis, tiled=True),
+            "reduce-scatter": lambda y: lax.dynamic_update_slice(
+                y, lax.psum_scatter(y, axis, tiled=True), (0,)),
+            "all-to-all": lambda y: lax.all_to_all(y, axis, 0, 0, tiled=True),
+            "collective-permute": lambda y: lax.ppermute(
+                y, axis, [(i, (i + 1) % n) for i in range(n)]),
+        }
+        return self.loop(bodies[kind], [((elements,), "float32")])
+
+
+def _chain(length: int) -> Callable:
+    """A loop body of ``length`` dependent matmuls (each its own kernel)."""
+    def body(y, w):
+        for _ in range(length):
+            y = y @ w
+        return y
+    return body
+
+
+def _per_second(work: float, seconds: float, what: str) -> float:
+    """``work / seconds``, refusing a loop whose extra iterations were lost in noise."""
+    if not seconds > 0:
+        raise ProfileError(f"{what}: the timed loop was lost in noise; run again on an idle "
+                           f"machine")
+    return work / seconds
