@@ -268,8 +268,9 @@ class CostGraph:
 
     def _flop_time(self, n: Node, s: _rules.Strategy, dtype, conv: bool) -> float:
         """Seconds of an op's compute under ``s``: its elements at the device's rate for its
-        kind of op where profiled (``CostModel.op_time``: a transcendental on XLA:CPU), else
-        its FLOPs at the matmul rate (an elementwise op's FLOPs are its elements)."""
+        kind of op where the device rates that kind (``CostModel.op_time``: a transcendental
+        on XLA:CPU), else its FLOPs at the matmul rate (an elementwise op's FLOPs are its
+        elements)."""
         rated = self.cost.op_time(n.op.primitive, s.flops)
         if rated is not None:
             return rated
