@@ -321,7 +321,7 @@ def fit_link(charged: Sequence[float], seconds: Sequence[float]) -> tuple[float,
     return float(alpha), float(1.0 / beta), residual
 
 
-def _profile_axis(timer: "Timer", mesh: DeviceMesh, axis: str, sizes: Sequence[int]
+def _profile_axis(timer: Timer, mesh: DeviceMesh, axis: str, sizes: Sequence[int]
                   ) -> tuple[dict[str, Fit], Fit]:
     """Each collective over ``axis`` at each size, fitted per kind and jointly for the link."""
     unit = CostModel(make_mesh(mesh.shape, bandwidth=1.0, latency=0.0, virtual=True))
