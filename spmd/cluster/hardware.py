@@ -137,10 +137,8 @@ def _gpu(name: str, bf16: float, fp32: float, memory: int, bandwidth: float, hos
 # kernel on one device alone), scaled by 8 to the bundled meshes' 10 GB/s link (33 GB/s, 76
 # GFLOP/s, kept at 50); its "host" memory is the same DRAM, a copy there moving 15 GB/s each
 # way (half the read + write bandwidth), so that plans for cpu-8 weigh compute, memory
-# traffic and the in-process copies that stand in for collectives as that host does; its
-# op rates are that host's cpu-8 profile's (2026-12-03: elementwise 13.7 G, divide 1.45 G,
-# root 1.06 G, exponential 0.233 G, reduce 1.07 G elements/s) scaled by 8 the same way.
-# Profile your own host for figures that predict its step times.
+# traffic and the in-process copies that stand in for collectives as that host does. Profile
+# your own host for figures that predict its step times.
 KNOWN_DEVICES: dict[str, DeviceSpec] = {
     spec.name: spec
     for spec in (
@@ -154,9 +152,7 @@ KNOWN_DEVICES: dict[str, DeviceSpec] = {
              "NVIDIA H200 SXM datasheet (2024)"),
         DeviceSpec("cpu", 50e9, 50e9, 2 * GIB, 30e9, 1.0, 1.0, 1e-6,
                    "ratios of a 2-core host's cpu-8 profile, scaled to a 10 GB/s link",
-                   host_bandwidth=15e9,
-                   op_rates=(("elementwise", 110e9), ("divide", 11.6e9), ("root", 8.5e9),
-                             ("exponential", 1.9e9), ("reduce", 8.6e9))),
+                   host_bandwidth=15e9),
     )
 }
 
