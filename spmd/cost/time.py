@@ -156,13 +156,12 @@ class CostModel:
         ``conv`` (``DeviceSpec.flops``)."""
         return float(flops) / self.mesh.device.flops(np.dtype(dtype).name, matmul, conv)
 
-    def op_time(self, primitive: str, elements: float) -> float | None:
-        """Seconds to compute ``elements`` of a ``primitive`` (an elementwise op's output
-        elements, a reduction's input elements) at the device's rate for its kind
+    def op_rate(self, primitive: str) -> float | None:
+        """Elements per second the device computes of ``primitive`` (an elementwise op's
+        output elements, a reduction's input elements) at its rate for the primitive's kind
         (``OP_KINDS``, ``DeviceSpec.op_rates``); None where the device rates no such op."""
         kind = OP_KINDS.get(primitive)
-        rate = self.mesh.device.op_rate(kind) if kind else None
-        return None if rate is None else float(elements) / rate
+        return self.mesh.device.op_rate(kind) if kind else None
 
     def host_copy_time(self, nbytes: float) -> float:
         """Seconds to copy ``nbytes`` between device and pinned host memory, one way, at the

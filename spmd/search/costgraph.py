@@ -238,9 +238,11 @@ class CostGraph:
     def _price(self, n: Node, ss: Sequence[_rules.Strategy], off_path: bool
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per strategy: compute seconds (a roofline: the op's FLOPs at the device's
-        achievable rate, ``_flop_time``, or its memory traffic at its achievable bandwidth,
-        whichever is longer), communication seconds, and the part of compute that is
-        memory-bound."""
+        achievable rate, or its memory traffic at its achievable bandwidth, whichever is
+        longer), communication seconds, and the part of compute that is memory-bound. An op
+        whose kind the device rates (``CostModel.op_rate``: a transcendental on XLA:CPU)
+        computes its elements at that rate; any other, its FLOPs at the matmul rate (an
+        elementwise op's FLOPs are its elements)."""
         if n.kind != "op":
             return np.zeros(len(ss)), np.zeros(len(ss)), np.zeros(len(ss))
         if destination(n.op) is not None:  # a copy between host and device memory
@@ -250,8 +252,12 @@ class CostGraph:
             return moved, np.zeros(len(ss)), np.zeros(len(ss))
         dtype = op_dtype(n)
         conv = n.op.primitive == "conv_general_dilated"
-        flop_time = np.array([self._flop_time(n, s, dtype, conv) if s.flops else 0.0
-                              for s in ss])
+        rate = self.cost.op_rate(n.op.primitive)
+        if rate is not None:
+            flop_time = np.array([s.flops / rate for s in ss])
+        else:
+            flop_time = np.array([self.cost.compute(s.flops, dtype, self._matmul_size(n, s),
+                                                    conv) if s.flops else 0.0 for s in ss])
         transpose = n.op.primitive == "transpose"
         traffic = np.array([self.cost.memory_time(self._traffic(n, s), transpose)
                             for s in ss])
@@ -265,16 +271,6 @@ class CostGraph:
                              if off_path and self.cost.partitioner.combine_key(c)
                              else self.cost.time(c) for c in s.collectives) for s in ss])
         return compute, comm, compute - flop_time
-
-    def _flop_time(self, n: Node, s: _rules.Strategy, dtype, conv: bool) -> float:
-        """Seconds of an op's compute under ``s``: its elements at the device's rate for its
-        kind of op where the device rates that kind (``CostModel.op_time``: a transcendental
-        on XLA:CPU), else its FLOPs at the matmul rate (an elementwise op's FLOPs are its
-        elements)."""
-        rated = self.cost.op_time(n.op.primitive, s.flops)
-        if rated is not None:
-            return rated
-        return self.cost.compute(s.flops, dtype, self._matmul_size(n, s), conv)
 
     def _matmul_size(self, n: Node, s: _rules.Strategy) -> float | None:
         """FLOPs of one matmul an op runs on a device under ``s`` (a batched dot runs one per
