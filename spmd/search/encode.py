@@ -132,8 +132,16 @@ class Encoding:
         edges = dict(shared.edges)
         fanouts = list(shared.fanouts)
         memory = list(shared.memory)
-        set_memory = [[row if row is not None
-                       else _memory_row(cg, self, self.roots[g], values[g]).tolist()
+        # An input's values are live at most busiest points alike: its row is made once.
+        input_rows: dict[tuple[int, bytes], list[float]] = {}
+
+        def input_row(g: int, ix: np.ndarray) -> list[float]:
+            key = (g, ix.tobytes())
+            if key not in input_rows:
+                input_rows[key] = _memory_row(cg, self, self.roots[g], ix).tolist()
+            return input_rows[key]
+
+        set_memory = [[row if row is not None else input_row(g, values[g])
                        for g, row in zip(values, rows)]
                       for values, rows in zip(shared.set_values, shared.set_memory)]
         for node in cg.graph.inputs:
