@@ -80,3 +80,23 @@ def test_a_cheap_value_is_remade_in_its_fusible_readers():
     add = remade["add"]
     assert add[1] == dots[0] and first["add"][1] > dots[1]  # to the matmul, not beyond
     assert remade["exp"] == first["exp"] and first["exp"][1] > dots[1]
+
+
+def test_on_xla_cpu_a_copy_between_memories_is_its_operands_buffer():
+    """XLA:CPU's host memory is the devices': an offloaded step holds what the step as
+    written holds there (its copies forwarded), and less on a GPU (its host values out)."""
+    from spmd.memory.offload import OffloadPlan, host_values, memory_copies, offload
+
+    def step(w, m, g):  # m: state updated in place (output 1 aliases input 1), read last
+        u = jnp.tanh(jnp.exp(g) * w).sum(0)  # the peak: g's rows, before m is read
+        m = 0.9 * m + u
+        return w - m, m
+
+    written = jax.make_jaxpr(step)(jnp.ones(1024), jnp.ones(1024), jnp.ones((8, 1024)))
+    graph = build_graph(offload(written, OffloadPlan((1,)), {1: 1}))
+    plain = Liveness(build_graph(written), donated={1})
+    on_cpu = Liveness(graph, donated={1}, forwarded=memory_copies(graph))
+    on_gpu = Liveness(graph, donated={1}, host=host_values(graph))
+    assert len(memory_copies(graph)) == 2
+    assert on_cpu.peak(on_cpu.full_bytes) == plain.peak(plain.full_bytes)
+    assert on_gpu.peak(on_gpu.full_bytes) < plain.peak(plain.full_bytes)

@@ -11,7 +11,9 @@ as a matmul or another reader that cannot fuse it needs it (e.g. the backward pa
 pieces, remade from the saved pre-activation). This module knows
 nothing about strategies: callers hand it the bytes each value takes per device (under one
 plan, or under each strategy of its group). Values in host memory (``spmd.memory.offload``)
-take no device memory and are left out. What a plan adds beside the values (resharded
+take no device memory and are left out, where the platform has a host memory of its own;
+on XLA:CPU they are device memory, and a copy between the two memories is no buffer of its
+own (``forwarded``). What a plan adds beside the values (resharded
 copies, collectives' buffers) it hands over as ``Buffer``s.
 
 >>> import jax, jax.numpy as jnp
@@ -72,12 +74,16 @@ class Liveness:
     """
 
     def __init__(self, graph: Graph, donated: set[int], fused: frozenset[Value] = frozenset(),
-                 host: frozenset[Value] = frozenset(), remaking: "Remaking | None" = None):
+                 host: frozenset[Value] = frozenset(), remaking: "Remaking | None" = None,
+                 forwarded: frozenset[Value] = frozenset()):
         """``donated``: input indices whose buffer an output reuses (aliased outputs);
         ``fused``: values that never reach memory, made and read inside one kernel (an
         elementwise chain XLA fuses: Adam's bias-corrected moments inside the update);
         ``host``: values in host memory (offloaded state), left out; ``remaking``: which
-        ops XLA's fusion remakes in their readers' kernels (none when not given)."""
+        ops XLA's fusion remakes in their readers' kernels (none when not given);
+        ``forwarded``: values that are their one operand's buffer (a copy between memories
+        that XLA:CPU, whose host memory is the devices', does not make): not buffers of
+        their own, their operand lives as long as they are read."""
         self.graph = graph
         end_all = len(graph.nodes)
         last = graph.last_use()
@@ -94,6 +100,8 @@ class Liveness:
                     out.append((v, 0, end_all))
                 else:
                     out.append((v, n.id, last[n.id]))
+        if forwarded:
+            out = _forward(graph, out, forwarded)
         if remaking is not None:
             out = _duplicated_at_readers(graph, out, remaking)
         self.intervals = out
@@ -151,6 +159,22 @@ class Liveness:
             out[o] = np.array([i for i in members
                                if self.starts[i] <= best_t <= self.ends[i]], dtype=np.int64)
         return out
+
+
+def _forward(graph: Graph, intervals: list[tuple[Value, int, int]],
+             forwarded: frozenset[Value]) -> list[tuple[Value, int, int]]:
+    """``intervals`` with each ``forwarded`` value folded into the value whose buffer it is
+    (its operand's, through chains of them): that one lives to the later of their ends."""
+    owner: dict[Value, Value] = {}
+    for v, _, _ in intervals:
+        if v in forwarded:
+            (u,) = [u for u in graph.nodes[v.node].operands if u is not None]
+            owner[v] = owner.get(u, u)
+    end = {v: b for v, _, b in intervals}
+    for v, root in owner.items():
+        if root in end:
+            end[root] = max(end[root], end[v])
+    return [(v, a, end[v]) for v, a, _ in intervals if v not in owner]
 
 
 def _duplicated_at_readers(graph: Graph, intervals: list[tuple[Value, int, int]],

@@ -22,7 +22,9 @@ the prediction takes each device copy as alive from its first reader to its last
 copies as not overlapped with compute. XLA:CPU has the memory kinds (a ``pinned_host``
 argument is laid out ``S(5)``) but its host memory is the devices' own: there an offloaded
 plan runs and computes the same numbers, and saves nothing (``memory_analysis`` counts those
-arguments with the others).
+arguments with the others). So a mesh of the CPU platform counts host values as device
+memory (``separate_host_memory``): the search does not offload for it, and a virtual GPU
+plan priced as XLA:CPU compiles it (its compile check) holds its offloaded state.
 
 >>> import jax, jax.numpy as jnp
 >>> def step(w, m, g):  # m: state updated in place (output 1 aliases input 1)
@@ -49,7 +51,7 @@ from spmd.trace.interpret import eval_jaxpr_with
 from spmd.trace.signature import Leaf
 
 __all__ = ["HOST_MEMORY_KIND", "OFFLOAD_SCOPE", "OffloadPlan", "destination", "host_values",
-           "offload", "offloadable"]
+           "memory_copies", "offload", "offloadable", "separate_host_memory"]
 
 #: the memory kind offloaded arrays live in between steps (pinned: the device copies it by DMA)
 HOST_MEMORY_KIND = "pinned_host"
@@ -101,6 +103,24 @@ def destination(op: Op) -> str | None:
         kind = getattr(dest, "name", None)
     kind = str(kind).lower() if kind is not None else ""
     return "host" if "host" in kind else "device" if kind == "device" else None
+
+
+def separate_host_memory(platform: str) -> bool:
+    """Whether offloading to pinned host memory frees device memory on ``platform``: on a
+    GPU it does; XLA:CPU has the memory kinds, but its host memory is the devices' own, so an
+    offloaded array takes the same memory there (a plan that fit a budget by offloading
+    compiled over it on cpu-8: the state it offloaded was counted out of the prediction
+    and in ``memory_analysis``'s arguments)."""
+    return platform != "cpu"
+
+
+def memory_copies(graph: Graph) -> frozenset[Value]:
+    """The values of ``graph`` made by a copy between host and device memory: on a platform
+    without a host memory of its own (``separate_host_memory``), its operand's own buffer
+    (XLA:CPU made none of them: an offloaded mlp-small's temporaries were 0.6 MB, not the
+    4.2 MB of state the copies would hold)."""
+    return frozenset(Value(n.id, 0) for n in graph.nodes
+                     if n.kind == "op" and destination(n.op) is not None)
 
 
 def host_values(graph: Graph) -> frozenset[Value]:

@@ -62,7 +62,8 @@ from spmd.cluster.mesh import DeviceMesh
 from spmd.cost.time import CostModel
 from spmd.errors import PlanError
 from spmd.memory.liveness import Liveness
-from spmd.memory.offload import destination, host_values
+from spmd.memory.offload import (destination, host_values, memory_copies,
+                                 separate_host_memory)
 from spmd.search.fusion import REMAKING, constant_made, fuse, never_in_memory
 from spmd.search.layout import transposed_operands
 from spmd.sharding import (Spec, all_specs, bytes_per_device, format_spec, is_valid, replicated,
@@ -213,9 +214,14 @@ class CostGraph:
         #: ops computing values from constants alone: XLA makes them in whatever sharding
         #: their readers take, inside the readers' kernels (``spmd.search.fusion``)
         self.constant_made = frozenset(constant_made(graph))
+        # On XLA:CPU host memory is the devices': offloaded values stay in device memory,
+        # and the copies between the two are the same buffers.
+        separate = separate_host_memory(mesh.platform)
         self.liveness = Liveness(graph, donated=set(self.aliases.values()),
                                  fused=never_in_memory(graph, self.fusion),
-                                 host=host_values(graph), remaking=REMAKING)
+                                 host=host_values(graph) if separate else frozenset(),
+                                 forwarded=frozenset() if separate else memory_copies(graph),
+                                 remaking=REMAKING)
         # Repeated layers repeat shapes and spec lists: prices are memoized on them.
         self._reshards: dict[tuple, tuple[float, tuple]] = {}
         self._matrices: dict[tuple, tuple[np.ndarray, tuple, tuple]] = {}

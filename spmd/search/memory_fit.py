@@ -13,7 +13,8 @@ sharding is chosen jointly with the remat it runs with: recomputed ops are price
 resharded like any other, and their memory is the rewritten program's liveness.
 
 Host offload (``spmd.memory.offload``: the optimizer state in pinned host memory between
-steps) is the other lever, where the device has a host link (``DeviceSpec.host_bandwidth``).
+steps) is the other lever, where the device has a host link (``DeviceSpec.host_bandwidth``)
+and a host memory of its own (not XLA:CPU's: ``separate_host_memory``).
 It is searched the same way, the offloaded step first without remat and then with the
 fewest layers recomputed (only fewer, or under a lighter policy, than remat alone needed),
 and the faster of the two plans is kept. It is not tried when its
@@ -35,7 +36,7 @@ from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 from spmd.cluster.mesh import DeviceMesh
 from spmd.errors import InfeasibleError, PlanError, format_bytes
-from spmd.memory.offload import OffloadPlan, offload, offloadable
+from spmd.memory.offload import OffloadPlan, offload, offloadable, separate_host_memory
 from spmd.memory.remat import (POLICIES, RECOMPUTE_ALL, RematPlan, block_count, recomputable,
                                rematerialize)
 from spmd.options import SearchOptions
@@ -144,7 +145,8 @@ def fit_memory(jaxpr, graph: Graph, inputs: Sequence[InputInfo], mesh: DeviceMes
     """
     layers = block_count(graph)
     remat_ok = recomputable(jaxpr, graph, layers)
-    host = (offloadable(leaves, output_aliases) if mesh.device.host_bandwidth > 0
+    host = (offloadable(leaves, output_aliases)
+            if mesh.device.host_bandwidth > 0 and separate_host_memory(mesh.platform)
             else OffloadPlan(()))
     if not remat_ok and not host.active:
         raise InfeasibleError(
@@ -154,6 +156,11 @@ def fit_memory(jaxpr, graph: Graph, inputs: Sequence[InputInfo], mesh: DeviceMes
             f"policy); use more devices, or a smaller batch")
     probes: list[dict] = []
     notes: list[str] = []
+    shared_host = (not separate_host_memory(mesh.platform)
+                   and offloadable(leaves, output_aliases).active)
+    if shared_host:
+        notes.append(f"host offload not tried: on the {mesh.platform} platform host memory is "
+                     f"the devices' own, so an offloaded array takes the same memory")
     least = ["not known: no plan was found in the time limit"]  # the last probe's, in words
 
     def probe(remat: RematPlan | None, moved: OffloadPlan | None) -> Fitted | None:
@@ -244,6 +251,8 @@ def fit_memory(jaxpr, graph: Graph, inputs: Sequence[InputInfo], mesh: DeviceMes
                 if remat_ok else "no layer recomputed (the step's own jax.checkpoint is kept)")
         if host.active:
             what += f" and the {host.summary(leaves)}"
+        elif shared_host:
+            what += f" ({notes[0]})"
         raise InfeasibleError(
             f"no plan fits {options.budget_words(mesh)}, even with "
             f"{what}: {least[0]}; use more devices, or a smaller batch")
