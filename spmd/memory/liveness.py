@@ -105,6 +105,8 @@ class Liveness:
         if remaking is not None:
             out = _duplicated_at_readers(graph, out, remaking)
         self.intervals = out
+        #: each value's index into ``intervals``
+        self.position = {v: i for i, (v, _, _) in enumerate(out)}
         self.starts = np.array([a for _, a, _ in out], dtype=np.int64)
         self.ends = np.array([b for _, _, b in out], dtype=np.int64)
         self.full_bytes = np.array([graph.value_bytes(v) for v, _, _ in out], dtype=float)

@@ -185,7 +185,7 @@ def predict(enc: Encoding, node_choice: Sequence[int]) -> Prediction:
                        for (v, _, _), fused in zip(live.intervals, live.fused)])
     extra = [Buffer(min(at), max(at), float(cg.bytes_row(v, (dst,))[0]))
              for (v, dst), at in copies.items()]
-    extra += _partial_results(cg, strategy, partials, combined_at)
+    extra += _partial_results(cg, strategy, partials, combined_at, nbytes)
     return Prediction(compute - memory - launch, comm, live.peak(nbytes, extra),
                       {k: (c, b) for k, (c, b) in counts.items()},
                       objective=compute + recompute + transfer + comm + tie_break,
@@ -194,7 +194,7 @@ def predict(enc: Encoding, node_choice: Sequence[int]) -> Prediction:
 
 
 def _partial_results(cg: CostGraph, strategy: Sequence, partials: Sequence[tuple[int, Any, float]],
-                     combined_at: Mapping) -> list[Buffer]:
+                     combined_at: Mapping, value_bytes: np.ndarray) -> list[Buffer]:
     """The buffers of ops' partial sums (``partials``: op, combine group, bytes) that are not
     their result: a collective XLA combines with others of its kind (off the critical path:
     the weight gradients) reads its input when the last op of its group (``combined_at``)
@@ -202,13 +202,26 @@ def _partial_results(cg: CostGraph, strategy: Sequence, partials: Sequence[tuple
     combined all-reduce of dp's gradients: twice their bytes in its temporaries); any other
     partial sum larger than its result (a reduce-scatter's input; on XLA:CPU, the whole
     all-reduced array before its slice) lives at its op."""
+    live = cg.liveness
     out = []
     for node, key, nbytes in partials:
-        if key is not None:  # waits for its group, beside the group's results
-            out.append(Buffer(node, combined_at[key], nbytes))
-            continue
         s = strategy[node]
         result = float(cg.bytes_row(Value(node, 0), (s.out_specs[0],))[0]) if s.out_specs else 0.0
+        if key is not None:  # waits for its group, beside the group's results
+            at = combined_at[key]
+            out.append(Buffer(node, at, nbytes))
+            i = live.position.get(Value(node, 0))
+            if i is not None and live.ends[i] < at:
+                # Its readers wait for the group too: its result is in memory there, even
+                # where the program reads it early (XLA:CPU's ZeRO: each gradient all-reduced
+                # whole at the step's end, then sliced to the update's spec), in place of
+                # what those readers make from it, counted there already.
+                made = sum(value_bytes[j] for c in cg.graph.nodes[node].consumers
+                           if (j := live.position.get(Value(c, 0))) is not None
+                           and live.starts[j] <= at <= live.ends[j])
+                if result > made:
+                    out.append(Buffer(at, at, result - made))
+            continue
         if nbytes > result:
             out.append(Buffer(node, node, nbytes))
     return out
