@@ -3,8 +3,8 @@ host memory between steps (``spmd.memory.offload``) when no sharding or remat fi
 budget. On CPU the memory kinds exist but host memory is the devices' own, so the search
 offloads for a GPU mesh and not for a CPU one; a plan made for 8 A100s is run on the 8 CPU
 devices, where the checks are that it runs, computes a single device's numbers, and that
-the compiled program holds the offloaded arrays in host memory (layout ``S(5)``) and as
-much memory as the plan priced for XLA:CPU; the saving shows on a GPU."""
+the compiled program holds the offloaded arrays in host memory (layout ``S(5)``), which the
+plan priced for XLA:CPU counts back in device memory; the saving shows on a GPU."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from flax import nnx
 
 import spmd
 from spmd import zoo
-from spmd.memory.offload import OffloadPlan
 from spmd.api import ParallelStep
+from spmd.memory.offload import OffloadPlan
 from spmd.plan import Plan
 from spmd.planner import score_manual
 from spmd.runtime.compile import prepare
