@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import jax
 
