@@ -145,9 +145,13 @@ def fit_memory(jaxpr, graph: Graph, inputs: Sequence[InputInfo], mesh: DeviceMes
     """
     layers = block_count(graph)
     remat_ok = recomputable(jaxpr, graph, layers)
-    host = (offloadable(leaves, output_aliases)
-            if mesh.device.host_bandwidth > 0 and separate_host_memory(mesh.platform)
-            else OffloadPlan(()))
+    state = offloadable(leaves, output_aliases)
+    separate = separate_host_memory(mesh.platform)
+    host = state if mesh.device.host_bandwidth > 0 and separate else OffloadPlan(())
+    # why offload is not tried where host memory is the devices' own (XLA:CPU)
+    shared_note = (f"host offload not tried: on the {mesh.platform} platform host memory is "
+                   f"the devices' own, so an offloaded array takes the same memory"
+                   if state.active and not separate else None)
     if not remat_ok and not host.active:
         raise InfeasibleError(
             f"no plan fits {options.budget_words(mesh)}, and spmd "
@@ -155,12 +159,7 @@ def fit_memory(jaxpr, graph: Graph, inputs: Sequence[InputInfo], mesh: DeviceMes
             f"choice is kept), or its layers run in a scan (give its body a jax.checkpoint "
             f"policy); use more devices, or a smaller batch")
     probes: list[dict] = []
-    notes: list[str] = []
-    shared_host = (not separate_host_memory(mesh.platform)
-                   and offloadable(leaves, output_aliases).active)
-    if shared_host:
-        notes.append(f"host offload not tried: on the {mesh.platform} platform host memory is "
-                     f"the devices' own, so an offloaded array takes the same memory")
+    notes: list[str] = [shared_note] if shared_note else []
     least = ["not known: no plan was found in the time limit"]  # the last probe's, in words
 
     def probe(remat: RematPlan | None, moved: OffloadPlan | None) -> Fitted | None:
@@ -251,8 +250,8 @@ def fit_memory(jaxpr, graph: Graph, inputs: Sequence[InputInfo], mesh: DeviceMes
                 if remat_ok else "no layer recomputed (the step's own jax.checkpoint is kept)")
         if host.active:
             what += f" and the {host.summary(leaves)}"
-        elif shared_host:
-            what += f" ({notes[0]})"
+        elif shared_note:
+            what += f" ({shared_note})"
         raise InfeasibleError(
             f"no plan fits {options.budget_words(mesh)}, even with "
             f"{what}: {least[0]}; use more devices, or a smaller batch")
