@@ -41,6 +41,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -145,16 +146,23 @@ class Case:
     compile_s: float
     wrapper_s: list[float] = dataclasses.field(default_factory=list)
     executable_s: list[float] = dataclasses.field(default_factory=list)
+    fresh_bytes: list[int] = dataclasses.field(default_factory=list)  # per wrapper step
     losses: list[float] = dataclasses.field(default_factory=list)
     error: str | None = None
 
     def call_wrapper(self) -> float:
-        """One step as ``spmd run`` times it: through ``ParallelStep``, blocked on."""
+        """One step as ``spmd run`` times it: through ``ParallelStep``, blocked on (and, as
+        ``spmd run`` counts them, the fresh host pages it touched)."""
         import jax
 
+        from spmd.runtime.host_memory import touched_pages
+
+        touched = touched_pages()
         start = time.perf_counter()
         metrics = jax.block_until_ready(self.step(*self.args))
         seconds = time.perf_counter() - start
+        if touched is not None:
+            self.fresh_bytes.append(touched_pages() - touched)
         self.losses.append(float(metrics["loss"]))
         return seconds
 
@@ -255,6 +263,8 @@ def case_result(case: Case) -> dict[str, Any]:
         out["measured_s"] = median_step(case.wrapper_s)
         out["executable_s"] = median_step(case.executable_s)
         out["spread"] = spread(case.wrapper_s[1:])
+        if case.fresh_bytes:
+            out["fresh_bytes"] = median_step(case.fresh_bytes)
     return out
 
 
@@ -348,15 +358,22 @@ def worker(part: str, quick: bool, steps: int, result: Path) -> int:
     return common.run_worker(lambda: work(quick, steps), {"part": part}, result)
 
 
-def run_part(part: str, quick: bool, steps: int) -> dict[str, Any]:
-    """One part in a fresh process (its output streamed here); a crash is recorded."""
+def run_part(part: str, quick: bool, steps: int, keep_freed_memory: bool) -> dict[str, Any]:
+    """One part in a fresh process (its output streamed here); a crash is recorded. With
+    ``keep_freed_memory`` the process starts with glibc told to keep the memory it frees
+    (``spmd.runtime.host_memory``): else XLA:CPU's temporaries are page-faulted afresh each
+    step once they pass glibc's mmap threshold, a cost of the host's allocator that a GPU
+    does not have and the cost model does not price."""
+    from spmd.runtime.host_memory import KEEP_FREED_MEMORY
+
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
         result = Path(fh.name)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", part,
            "--result", str(result), "--steps", str(steps), *(["--quick"] if quick else [])]
     start = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, cwd=common.REPO_ROOT, timeout=PART_TIMEOUT_S)
+        env = {**os.environ, **(KEEP_FREED_MEMORY if keep_freed_memory else {})}
+        proc = subprocess.run(cmd, cwd=common.REPO_ROOT, timeout=PART_TIMEOUT_S, env=env)
         data = json.loads(result.read_text()) if result.stat().st_size else {
             "part": part, "error": f"worker exited with {proc.returncode} (output above)"}
     except subprocess.TimeoutExpired:
@@ -418,6 +435,7 @@ def run_rows(part: dict[str, Any], with_target: bool) -> list[list[str]]:
                _ms(r.get("predicted_s")), _x(mp), _x(ratio(r, "executable_s"))]
         if with_target:
             row.append("" if mp is None else ("yes" if lo <= mp <= hi else "no"))
+        row.append(f"{r['fresh_bytes'] / 2**20:.1f}" if "fresh_bytes" in r else "")
         row.append(f"{r['spread']:.0%}" if "spread" in r else f"failed: {r['error']}")
         rows.append(row)
     return rows
@@ -433,7 +451,8 @@ def part_lines(part: dict[str, Any], title: str, with_target: bool) -> list[str]
               *(f"    {line}" for line in part["profile_summary"].splitlines()), ""]
     headers = ["model", "plan", "measured ms", "executable ms", "predicted ms", "M/P", "E/P"]
     headers += ["M/P in target"] if with_target else []
-    lines += [common.markdown_table(headers + ["spread"], run_rows(part, with_target)), ""]
+    lines += [common.markdown_table(headers + ["fresh MiB", "spread"],
+                                    run_rows(part, with_target)), ""]
     if not with_target:
         rows = [[c["model"], str(c["plans"]), _rho(c["spearman"]),
                  _rho(c["spearman_executable"]), _rho(c.get("spearman_fastest")),
@@ -488,6 +507,13 @@ def findings(data: dict[str, Any]) -> list[str]:
                      f"adds {statistics.median(extra) * 1e3:.1f} ms per step (median; "
                      f"{min(extra) * 1e3:.1f} to {max(extra) * 1e3:.1f} ms), "
                      f"{statistics.median(share):.0%} of the measured step (median).")
+        fresh = [r for r in timed if "fresh_bytes" in r]
+        if fresh:
+            most = max(fresh, key=lambda r: r["fresh_bytes"])
+            notes.append(f"Host memory: a measured step touched at most "
+                         f"{most['fresh_bytes'] / 2**20:.1f} MiB of fresh pages "
+                         f"({most['model']} / {most['method']}; median over plans "
+                         f"{statistics.median(r['fresh_bytes'] for r in fresh) / 2**20:.1f} MiB).")
         notes.append(f"Noise: a plan's step times spread (interquartile range / median) "
                      f"{statistics.median(r['spread'] for r in timed):.0%} in the median "
                      f"plan, {max(r['spread'] for r in timed):.0%} at worst.")
@@ -530,6 +556,20 @@ def _best_plans(runs: list[dict[str, Any]]) -> list[str]:
             f"cpu-8: auto's place by measured step time: {', '.join(places)}."]
 
 
+def _allocator_line(data: dict[str, Any]) -> str:
+    """How the parts' processes were started, as to freed host memory."""
+    from spmd.runtime.host_memory import KEEP_FREED_MEMORY
+
+    if data.get("keep_freed_memory"):
+        return (f"The parts ran with glibc told to keep freed memory "
+                f"(`{' '.join(f'{k}={v}' for k, v in KEEP_FREED_MEMORY.items())}`, "
+                f"`spmd.runtime.host_memory`): by default it returns XLA:CPU's temporaries "
+                f"to the system once they pass 32 MiB, and each step faults them in afresh, "
+                f"a cost a GPU's allocator does not have (`--allocator-default` runs without).")
+    return ("The parts ran with glibc's default thresholds: steps with more than 32 MiB of "
+            "temporaries fault them in afresh each step, which the prediction leaves out.")
+
+
 def render(data: dict[str, Any]) -> str:
     """The RESULTS.md section body."""
     steps = data["steps"]
@@ -547,7 +587,9 @@ def render(data: dict[str, Any]) -> str:
         f"on the mesh as profiled at the start of the part. A model's plans are compiled "
         f"first, then stepped in turns: each turn one untimed step (it refills the caches the "
         f"plan stepped before evicted; a training loop steps one plan back to back), then one "
-        f"timed step of each. E/P: executable over predicted. Spread: interquartile "
+        f"timed step of each. E/P: executable over predicted. Fresh MiB: the host memory a "
+        f"measured step touched for the first time (minor page faults; the median). "
+        f"{_allocator_line(data)} Spread: interquartile "
         f"range over median of the measured steps. Hand-written plans are scored with the "
         f"default `SearchOptions` and run as scored (with the sharding constraints of the "
         f"intermediates their score chose); `auto (= m)` is an auto plan that kept hand-written `m`.",
@@ -593,6 +635,9 @@ def main(argv: list[str] | None = None) -> int:
                              f"{QUICK_STEPS}), after one warm-up step")
     parser.add_argument("--report", type=Path, default=None, metavar="JSON",
                         help="only rewrite the section from this saved JSON")
+    parser.add_argument("--allocator-default", action="store_true",
+                        help="run the parts with glibc's default thresholds (then steps with "
+                             "over 32 MiB of temporaries page-fault them afresh each step)")
     parser.add_argument("--worker", choices=PARTS, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     common.add_output_arguments(parser, "step_time")
@@ -612,7 +657,9 @@ def main(argv: list[str] | None = None) -> int:
         "command": common.command_line(argv=None if argv is None else
                                        ["bench/step_time.py", *argv]),
         "machine": common.machine(), "date": common.utc_date(), "quick": args.quick,
-        "steps": steps, "parts": {part: run_part(part, args.quick, steps) for part in PARTS},
+        "steps": steps, "keep_freed_memory": not args.allocator_default,
+        "parts": {part: run_part(part, args.quick, steps, not args.allocator_default)
+                  for part in PARTS},
     }
     data["total_wall_s"] = time.perf_counter() - start
     save(data, out, md)

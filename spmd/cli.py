@@ -8,6 +8,7 @@ cannot be split) print one message and exit with status 2, without a traceback.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import sys
 import time
@@ -19,6 +20,7 @@ import typer
 from spmd.cluster.mesh import DeviceMesh
 from spmd.errors import SpmdError
 from spmd.options import SearchOptions
+from spmd.runtime.host_memory import fresh_memory_note, touched_pages
 from spmd.timing import median_step
 
 app = typer.Typer(add_completion=False,
@@ -104,27 +106,49 @@ def _working(what: str) -> Iterator[None]:
         yield
 
 
-def _train(call: Callable[[], Any], steps: int) -> tuple[list[Optional[float]], list[float]]:
-    """Run ``call`` (one step, returning its metrics) ``steps`` times under a progress bar:
-    each step's loss (None where its metrics hold none) and seconds."""
+@dataclasses.dataclass
+class _Steps:
+    """What ``_train`` measured: each step's loss (None where its metrics hold none), its
+    seconds, and the bytes of fresh host pages it touched (None where the system does not
+    count them)."""
+
+    losses: list[Optional[float]]
+    times: list[float]
+    fresh_bytes: list[Optional[int]]
+
+    @property
+    def step_time(self) -> float:
+        return median_step(self.times)
+
+    @property
+    def fresh_per_step(self) -> Optional[float]:
+        """Fresh host pages a step touched (bytes; the median after the first step)."""
+        return None if None in self.fresh_bytes else median_step(self.fresh_bytes)
+
+
+def _train(call: Callable[[], Any], steps: int) -> _Steps:
+    """Run ``call`` (one step, returning its metrics) ``steps`` times under a progress bar."""
     import jax
     from rich.progress import Progress
 
     from spmd.user_step import loss_of
 
-    losses: list[Optional[float]] = []
-    times: list[float] = []
+    done = _Steps([], [], [])
     with Progress(disable=jax.process_index() != 0, transient=True) as progress:
         task = progress.add_task("training", total=steps)
         for i in range(steps):
+            touched = touched_pages()
             start = time.perf_counter()
             metrics = jax.block_until_ready(call())
-            times.append(time.perf_counter() - start)
-            losses.append(loss_of(metrics))
-            shown = "" if losses[-1] is None else f"  loss {losses[-1]:.6f}"
+            done.times.append(time.perf_counter() - start)
+            after = touched_pages()
+            done.fresh_bytes.append(None if touched is None else after - touched)
+            done.losses.append(loss_of(metrics))
+            loss = done.losses[-1]
+            shown = "" if loss is None else f"  loss {loss:.6f}"
             progress.update(task, advance=1, description=f"step {i + 1}{shown}")
-            progress.console.print(f"step {i + 1:4d}{shown}  {times[-1] * 1e3:8.1f} ms")
-    return losses, times
+            progress.console.print(f"step {i + 1:4d}{shown}  {done.times[-1] * 1e3:8.1f} ms")
+    return done
 
 
 @app.command()
@@ -194,15 +218,15 @@ def run(
     _say(device_mesh.describe())
     _say(f"model {spec.name}: {spec.param_count():,} parameters; method {method}; "
          f"global batch {size}")
-    losses, times = _train(lambda: step(net, opt, local_batch), steps)
+    steps_run = _train(lambda: step(net, opt, local_batch), steps)
     if checkpoint is not None:
         spmd.save_checkpoint(checkpoint, net, opt)  # replaces the one resumed from once written
         _say(f"saved {checkpoint}")
-    step_time = median_step(times)
+    step_time = steps_run.step_time
     per_second = spec.items_per_batch(size) / step_time
     _say(f"step time {step_time * 1e3:.1f} ms (median after the first), "
          f"{per_second:,.0f} {spec.unit}/s")
-    _say_predicted(step_time, plan)
+    _say_predicted(steps_run, plan)
     if pipelined:
         _say(plan.describe())
         _say(_programs_summary(step.compiled(net, opt, local_batch), plan.runtime))
@@ -211,8 +235,10 @@ def run(
         _say(report.describe())
     if output_json is not None and jax.process_index() == 0:
         output_json.write_text(json.dumps({
-            "model": spec.name, "mesh": device_mesh.name, "method": method, "losses": losses,
-            "step_time": step_time, f"{spec.unit}_per_second": per_second,
+            "model": spec.name, "mesh": device_mesh.name, "method": method,
+            "losses": steps_run.losses, "step_time": step_time,
+            "fresh_host_bytes_per_step": steps_run.fresh_per_step,
+            f"{spec.unit}_per_second": per_second,
             "report": report.to_dict() if report is not None else None}, indent=1))
 
 
@@ -233,14 +259,21 @@ def _programs_summary(compiled: dict, runtime: str) -> str:
     return "\n".join(lines)
 
 
-def _say_predicted(measured: float, plan) -> None:
+def _say_predicted(steps_run: _Steps, plan) -> None:
     """The measured step time beside the cost model's (a plan has a prediction when searched
     or scored, as `run`'s options ask for hand-written ones): M/P is how far off the mesh
-    file's figures are; a profiled mesh (`spmd profile`) brings it nearer 1."""
+    file's figures are; a profiled mesh (`spmd profile`) brings it nearer 1. Then what the
+    measured time holds that the prediction leaves out (XLA:CPU's fresh host pages)."""
+    import jax
+
+    measured = steps_run.step_time
     if plan.prediction is not None and plan.prediction.total_time > 0:
         predicted = plan.prediction.total_time
         _say(f"step time: measured {measured * 1e3:.3g} ms, predicted {predicted * 1e3:.3g} ms "
              f"(M/P = {measured / predicted:.3g})")
+    note = fresh_memory_note(steps_run.fresh_per_step, measured, jax.default_backend())
+    if note is not None:
+        _say(note)
 
 
 def _run_own_step(step_ref: str, device_mesh: DeviceMesh, method: str, options: SearchOptions,
@@ -266,16 +299,17 @@ def _run_own_step(step_ref: str, device_mesh: DeviceMesh, method: str, options: 
 
     _say(device_mesh.describe())
     _say(f"step {step_ref}; method {method}")
-    losses, times = _train(call, steps)
-    step_time = median_step(times)
-    _say(f"step time {step_time * 1e3:.1f} ms (median after the first)")
-    _say_predicted(step_time, plan)
+    steps_run = _train(call, steps)
+    _say(f"step time {steps_run.step_time * 1e3:.1f} ms (median after the first)")
+    _say_predicted(steps_run, plan)
     _say(plan.describe(max_rows=None if describe else 12))
     _say(report.describe())
     if output_json is not None:
         output_json.write_text(json.dumps({
-            "step": step_ref, "mesh": device_mesh.name, "method": method, "losses": losses,
-            "step_time": step_time, "report": report.to_dict()}, indent=1))
+            "step": step_ref, "mesh": device_mesh.name, "method": method,
+            "losses": steps_run.losses, "step_time": steps_run.step_time,
+            "fresh_host_bytes_per_step": steps_run.fresh_per_step,
+            "report": report.to_dict()}, indent=1))
 
 
 @app.command("plan")

@@ -30,7 +30,8 @@ def _run(model: str, method: str, measured_ms: float, predicted_ms: float) -> di
     return {"model": model, "method": method, "predicted_s": predicted_ms / 1e3,
             "measured_s": measured_ms / 1e3, "executable_s": measured_ms / 2e3,
             "executable_times_s": [measured_ms / 1e3, measured_ms / 2e3, measured_ms / 3e3],
-            "spread": 0.1, "kept_hand_written": None, "error": None}
+            "spread": 0.1, "kept_hand_written": None, "error": None,
+            "fresh_bytes": measured_ms * 2**20}
 
 
 def _part(mesh: str, runs: list[dict]) -> dict:
@@ -44,7 +45,7 @@ def _part(mesh: str, runs: list[dict]) -> dict:
 def test_report_from_saved_json(tmp_path):
     data = {
         "command": "python bench/step_time.py", "date": "today", "steps": 10,
-        "total_wall_s": 5.0, "quick": False,
+        "total_wall_s": 5.0, "quick": False, "keep_freed_memory": True,
         "machine": {"platform": "Linux", "cpu_count": 2, "python": "3.11"},
         "parts": {
             "one-device": _part("cpu-1", [_run("a", "auto", 10, 9), _run("b", "auto", 30, 10)]),
@@ -68,3 +69,6 @@ def test_report_from_saved_json(tmp_path):
     assert "predicted fastest (or tied for it) for 1 of 2 models" in text
     assert "auto's place by measured step time: a 1/3, b 3/3" in text
     assert "Plans that failed to plan, compile or run: b / fsdp." in text
+    # fresh host pages per step: a column, and the worst case named
+    assert "| fresh MiB |" in text and "MALLOC_MMAP_THRESHOLD_=1073741824" in text
+    assert "at most 30.0 MiB of fresh pages (b / auto; median over plans 20.0 MiB)" in text

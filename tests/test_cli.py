@@ -96,6 +96,7 @@ def test_run_reports_losses_speed_and_collectives(capsys, tmp_path):
                      r"\(M/P = [\d.e+]+\)", out), out
     result = json.loads(out_json.read_text())
     assert len(result["losses"]) == 3 and result["losses"][2] < result["losses"][0]
+    assert result["fresh_host_bytes_per_step"] >= 0  # counted (Linux), in bytes
 
 
 def test_models_and_meshes_list(capsys):
