@@ -197,6 +197,14 @@ def test_dot_general_reduce_scatter_variant_on_gpu_mesh():
     assert "reduce-scatter @ model" in rs.name
     # on a CPU mesh XLA has no reduce-scatter: the variant would be all-reduce + free slice
     assert not any(c.kind == "reduce-scatter" for s in strategies(op, CTX) for c in s.collectives)
+    cpu = strategies(op, CTX)
+    assert not any(s.out_specs == ((M, ()),) and s.in_specs == (((), M), (M, ())) for s in cpu)
+    # ... unless asked for (a GPU plan priced on CPU keeps its scattered output): the same
+    # all-reduce as the unscattered finish, the output sliced
+    kept = strategies(op, RuleContext(MESH, every_scatter=True))
+    rs_cpu = by_specs(kept, [((), M), (M, ())], [(M, ())])
+    assert rs_cpu.collectives == by_specs(kept, [((), M), (M, ())], [((), ())]).collectives
+    assert rs_cpu.collectives == (Collective("all-reduce", M, f32(8 * 32)),)
 
 
 def test_strategy_bound_on_three_axis_mesh():

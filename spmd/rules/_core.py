@@ -71,7 +71,8 @@ class RuleContext:
 
     def __init__(self, mesh: Any, max_strategies: int = MAX_STRATEGIES, max_axes_per_dim: int = 2,
                  partitioner: Partitioner | None = None,
-                 required: Mapping[Shape, Iterable[Spec]] | None = None):
+                 required: Mapping[Shape, Iterable[Spec]] | None = None,
+                 every_scatter: bool = False):
         if not isinstance(mesh, DeviceMesh):
             mesh = make_mesh({str(k): int(v) for k, v in dict(mesh).items()}, virtual=True)
         self.mesh: DeviceMesh = mesh
@@ -82,6 +83,10 @@ class RuleContext:
         self.axes: tuple[str, ...] = tuple(a for a, n in self.mesh_shape.items() if n > 1)
         self.max_strategies = max_strategies
         self.max_axes_per_dim = max_axes_per_dim
+        #: keep a partial sum's scattered-output variants where the platform emits the same
+        #: collectives for them (XLA:CPU: all-reduce, then a slice): a plan made for another
+        #: platform, whose outputs stay scattered, priced on this one (``IntraOp.price_on``)
+        self.every_scatter = every_scatter
         #: shape -> specs every candidate list of that shape includes (pinned inputs' specs,
         #: so a value can always arrive in the spec the user fixed, whatever the caps drop)
         self.required: dict[Shape, tuple[Spec, ...]] = {

@@ -70,12 +70,13 @@ def dot_general_strategies(op: Op, ctx: RuleContext) -> list[Strategy]:
         if len(groups) > 1:
             continue
         # Reduce-scatter variants: the summed axes also split one unsplit output dim. Kept
-        # only where the platform communicates differently (else: all-reduce + free slice).
+        # only where the platform communicates differently (else: all-reduce + free slice),
+        # unless the context keeps every one (``RuleContext.every_scatter``).
         for d in range(n_out):
             if not out[d] and out_shape[d] % ctx.size(summed) == 0:
                 scattered = out[:d] + (summed,) + out[d + 1:]
                 colls = ctx.partial_sum(out_shape, out_dtype, scattered, groups)
-                if colls != reduced:
+                if colls != reduced or ctx.every_scatter:
                     variants.append(make(ins, (scattered,), colls, flops))
                     saved.append(ctx.size(summed) * sum(c.bytes for c in reduced))
     # When they do not all fit, keep the variants that save the most: a partial sum over the

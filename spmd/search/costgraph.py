@@ -149,12 +149,14 @@ class CostGraph:
         every spec any plan to be scored pins an input to (so a value can always arrive in
         it, whatever the caps on candidates drop).
       share_layers: tie repeated layers (off: every node has its own choice).
+      every_scatter: keep the scattered-output variants of partial sums that this
+        platform finishes like the unscattered ones (``RuleContext.every_scatter``).
     """
 
     def __init__(self, graph: Graph, inputs: Sequence[InputInfo], mesh: DeviceMesh, *,
                  output_aliases: Mapping[int, int] = {},
                  required: Mapping[tuple[int, ...], Iterable[Spec]] | None = None,
-                 share_layers: bool = True):
+                 share_layers: bool = True, every_scatter: bool = False):
         if len(inputs) != len(graph.inputs):
             raise PlanError(f"search: {len(inputs)} InputInfo given but the step has "
                             f"{len(graph.inputs)} flat inputs")
@@ -168,7 +170,7 @@ class CostGraph:
                        for k in range(len(n.op.out_shapes))), default=0)
         self.small_bytes = min(SMALL_BYTES_CAP, largest * SMALL_FRACTION)
         self.ctx = _rules.RuleContext(mesh, partitioner=self.cost.partitioner,
-                                      required=required or {})
+                                      required=required or {}, every_scatter=every_scatter)
         self.off_path = off_critical_path(graph)
         self.stats: dict[str, Any] = {"small": 0, "off_path": len(self.off_path)}
         #: per node, its strategies; an input's are its free candidates

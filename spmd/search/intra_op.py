@@ -94,14 +94,15 @@ class IntraOp:
     def __init__(self, graph: Graph, inputs: Sequence[InputInfo], mesh: DeviceMesh, *,
                  output_aliases: Mapping[int, int] = {},
                  required: Iterable[tuple[tuple[int, ...], Spec]] = (),
-                 share_layers: bool = True):
+                 share_layers: bool = True, every_scatter: bool = False):
         self.graph, self.inputs, self.mesh = graph, list(inputs), mesh
         shapes: dict[tuple[int, ...], list[Spec]] = collections.defaultdict(list)
         for shape, spec in list(required) + [(i.shape, i.pinned) for i in inputs]:
             if spec is not None and any(spec):
                 shapes[tuple(shape)].append(tuple(tuple(a) for a in spec))
         self.cost_graph = CostGraph(graph, self.inputs, mesh, output_aliases=output_aliases,
-                                    required=shapes, share_layers=share_layers)
+                                    required=shapes, share_layers=share_layers,
+                                    every_scatter=every_scatter)
         self.encoder = Encoder(self.cost_graph)
 
     # -- entry points --------------------------------------------------------------------
@@ -217,11 +218,14 @@ class Searched:
     def price_on(self, mesh: DeviceMesh) -> Prediction:
         """The answer priced on ``mesh``: another mesh of the same shape, e.g. this cluster
         as another platform's XLA compiles it (XLA:CPU, where a virtual GPU plan is
-        compile-checked). Each node keeps its own strategy."""
+        compile-checked). Each node keeps its own strategy: a matmul's reduce-scatter
+        becomes the other platform's finish of the same partial sum, its output still
+        scattered as the plan's constraints keep it (XLA:CPU all-reduces, slices, and
+        reshards from the slice for readers that want another spec)."""
         inputs = [dataclasses.replace(i, pinned=spec)
                   for i, spec in zip(self.inputs, self.result.input_specs)]
         other = IntraOp(self.graph, inputs, mesh, output_aliases=self.output_aliases,
-                        share_layers=False)
+                        share_layers=False, every_scatter=True)
         enc = other.encoder.encode([i.pinned for i in inputs])
         return predict(enc, enc.node_choice(_warm_choice(enc, self.result.node_strategies)))
 
