@@ -118,6 +118,7 @@ class _Steps:
 
     @property
     def step_time(self) -> float:
+        """The step time reported: the median after the first step (``median_step``)."""
         return median_step(self.times)
 
     @property
