@@ -40,6 +40,20 @@ def test_collective_formulas(cm):
         cm.time(Collective("broadcast", ("model",), B))
 
 
+def test_xla_cpu_collectives_pay_each_axis_latency():
+    """On XLA:CPU a collective over two axes pays both latencies (a rendezvous of more
+    threads); a collective-permute one hop; a GPU mesh the slowest link's (above)."""
+    mesh = make_mesh({"data": 2, "model": 4, "pipe": 1}, bandwidth=1e12,
+                     latency={"data": 10e-6, "model": 2e-6, "pipe": 50e-6})
+    cm = CostModel(mesh)
+    assert mesh.platform == "cpu"
+    both = ("data", "model", "pipe")  # pipe has one device: no latency of its own
+    assert cm.split(Collective("all-gather", both, 1e6))[1] == pytest.approx(12e-6)
+    assert cm.split(Collective("all-reduce", ("model",), 1e6))[1] == pytest.approx(2e-6)
+    assert cm.all_reduce(1e6, both) == pytest.approx(2 * 7 / 8 * 1e6 / 1e12 + 12e-6)
+    assert cm.collective_permute(1e6, both) == pytest.approx(1e6 / 1e12 + 10e-6)
+
+
 def test_size_one_axes_cost_nothing():
     cm = CostModel(make_mesh({"pipe": 1, "data": 8}))
     assert cm.all_reduce(1e9, ("pipe",)) == 0.0

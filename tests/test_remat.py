@@ -96,15 +96,16 @@ def test_the_plan_round_trips_its_remat():
 
 
 def test_under_a_budget_no_sharding_meets_auto_recomputes_the_fewest_layers():
-    """cpu-8: the plain step's best plan needs P bytes per device; under 0.75 P, planned
-    under 0.675 P (less the memory headroom), no sharding fits (the leanest reaches about
-    0.8 P) and auto recomputes some layers, not all; the compiled step fits the budget and
-    its loss and new parameters are a single device's."""
+    """cpu-8: the plain step's best plan needs P bytes per device; under 0.95 P, planned
+    under 0.855 P (less the memory headroom), no sharding fits (none is much leaner than
+    that plan: under 1.05 P auto still recomputes one layer) and auto recomputes some
+    layers, not all; the compiled step fits the budget and its loss and new parameters are
+    a single device's."""
     mesh = spmd.load_mesh("cpu-8")
     params, batch = _args(concrete=False)
     plain = spmd.plan(_step, params, batch, mesh=mesh, options=spmd.SearchOptions(cache=False))
     assert plain.remat is None
-    budget = 0.75 * plain.prediction.memory_bytes
+    budget = 0.95 * plain.prediction.memory_bytes
     options = spmd.SearchOptions(cache=False, memory_budget=budget)
     step = spmd.parallelize(_step, mesh=mesh, options=options)
     params, batch = _args(concrete=True)
