@@ -558,11 +558,11 @@ def _best_plans(runs: list[dict[str, Any]]) -> list[str]:
 
 def _allocator_line(data: dict[str, Any]) -> str:
     """How the parts' processes were started, as to freed host memory."""
-    from spmd.runtime.host_memory import KEEP_FREED_MEMORY
+    from spmd.runtime.host_memory import keep_settings
 
     if data.get("keep_freed_memory"):
         return (f"The parts ran with glibc told to keep freed memory "
-                f"(`{' '.join(f'{k}={v}' for k, v in KEEP_FREED_MEMORY.items())}`, "
+                f"(`{keep_settings()}`, "
                 f"`spmd.runtime.host_memory`): by default it returns XLA:CPU's temporaries "
                 f"to the system once they pass 32 MiB, and each step faults them in afresh, "
                 f"a cost a GPU's allocator does not have (`--allocator-default` runs without).")

@@ -102,9 +102,9 @@ class CostModel:
         (data=2 x model=4, interleaved with compute) an all-gather took 44 us over data,
         86 us over model and 156-173 us over both, an all-reduce 40, 96 and 158 us. A
         collective-permute is one hop: the slowest link's latency on every platform."""
-        if point_to_point or len(axes) == 1 or self.partitioner.platform != "cpu":
+        if point_to_point or self.partitioner.platform != "cpu":
             return self.mesh.link(axes).latency
-        return sum(self.mesh.link(axis).latency for axis in axes)
+        return sum(self.mesh.links[axis].latency for axis in axes)
 
     # -- one method per collective -------------------------------------------------------
     def all_reduce(self, nbytes: float, axes) -> float:

@@ -23,8 +23,8 @@ from __future__ import annotations
 import os
 from typing import Mapping, Optional
 
-__all__ = ["KEEP_FREED_MEMORY", "NOTABLE_BYTES", "fresh_memory_note", "keeps_freed_memory",
-           "touched_pages"]
+__all__ = ["KEEP_FREED_MEMORY", "NOTABLE_BYTES", "fresh_memory_note", "keep_settings",
+           "keeps_freed_memory", "touched_pages"]
 
 #: glibc's tunables that keep freed memory in the process: blocks up to 1 GiB from the heap,
 #: and the heap not trimmed below 4 GiB
@@ -42,6 +42,11 @@ def touched_pages() -> Optional[int]:
     except ImportError:  # not a POSIX system
         return None
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt * resource.getpagesize()
+
+
+def keep_settings() -> str:
+    """``KEEP_FREED_MEMORY`` as a shell would set it: ``NAME=value NAME=value``."""
+    return " ".join(f"{name}={value}" for name, value in KEEP_FREED_MEMORY.items())
 
 
 def keeps_freed_memory(environ: Mapping[str, str] = os.environ) -> bool:
@@ -62,6 +67,5 @@ def fresh_memory_note(fresh_bytes: Optional[float], step_seconds: float, platfor
     if keeps_freed_memory(environ):
         return said + ("; the allocator is told to keep freed memory already, and then the "
                        "faults usually stop after a few steps: run more steps")
-    settings = " ".join(f"{name}={value}" for name, value in KEEP_FREED_MEMORY.items())
     return (said + f". glibc returned XLA:CPU's temporaries to the system after the last "
-            f"step; start spmd with {settings} in the environment to keep them")
+            f"step; start spmd with {keep_settings()} in the environment to keep them")
