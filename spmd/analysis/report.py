@@ -82,6 +82,7 @@ __all__ = [
     "groups_to_mesh_axes",
     "memory_report",
     "parse_replica_groups",
+    "readable_bytes",
     "shape_bytes",
 ]
 
@@ -93,8 +94,9 @@ __all__ = [
 class MemoryReport:
     """Per-device memory XLA reports for a compiled executable (``memory_analysis()``).
 
-    ``peak_bytes`` is ``argument + output + temp - alias`` unless the backend reports its own
-    peak: arguments and outputs are all live when the step returns, ``temp`` is the scratch
+    ``peak_bytes`` is ``argument + output + temp - alias`` unless the backend reports a peak
+    of its own that holds the arguments and temporaries (XLA:CPU's leaves the temporaries
+    out): arguments and outputs are all live when the step returns, ``temp`` is the scratch
     allocation XLA's buffer assignment sized for the live-range peak, and an aliased
     (donated) output reuses its argument's buffer, so it would otherwise be counted twice.
     Generated code is excluded (it is host memory on CPU and small on accelerators).
@@ -251,8 +253,8 @@ class Report:
         table.add_column("in while loops", justify="right")
         for kind, (count, nbytes) in self.collectives.items():
             looped = sum(1 for op in self.ops if op.kind == kind and op.in_while)
-            table.add_row(kind, str(count), _fmt_bytes(nbytes), str(looped) if looped else "")
-        table.add_row("total", str(len(self.ops)), _fmt_bytes(self.total_collective_bytes), "")
+            table.add_row(kind, str(count), readable_bytes(nbytes), str(looped) if looped else "")
+        table.add_row("total", str(len(self.ops)), readable_bytes(self.total_collective_bytes), "")
         console.print(table)
         if self.memory is None:
             console.print("memory: not reported by this backend (memory_analysis() is None)")
@@ -261,14 +263,15 @@ class Report:
             mem.add_column("field")
             mem.add_column("bytes", justify="right")
             for field in dataclasses.fields(self.memory):
-                mem.add_row(field.name, _fmt_bytes(getattr(self.memory, field.name)))
+                mem.add_row(field.name, readable_bytes(getattr(self.memory, field.name)))
             console.print(mem)
         flops = "unknown" if self.flops is None else f"{self.flops:.4g}"
         console.print(f"flops per device: {flops}")
         return console.file.getvalue()
 
 
-def _fmt_bytes(n: int) -> str:
+def readable_bytes(n: float) -> str:
+    """``1.50 MiB``: binary units, two decimals."""
     if n < 1024:
         return f"{n} B"
     for unit in ("KiB", "MiB", "GiB", "TiB"):
@@ -330,7 +333,10 @@ def memory_report(compiled: Any) -> MemoryReport | None:
 
     argument, output = get("argument_size_in_bytes"), get("output_size_in_bytes")
     temp, alias = get("temp_size_in_bytes"), get("alias_size_in_bytes")
-    peak = get("peak_memory_in_bytes") or argument + output + temp - alias
+    # A program's temporaries are one allocation, held while its arguments are: a reported
+    # peak under their sum leaves the temporaries out (XLA:CPU reports its arguments alone).
+    reported = get("peak_memory_in_bytes")
+    peak = reported if reported >= argument + temp else argument + output + temp - alias
     return MemoryReport(
         argument_bytes=argument,
         output_bytes=output,
