@@ -330,12 +330,21 @@ def plan_cmd(
     max_stages: Optional[int] = typer.Option(None, min=1, help="auto: pipeline stages at most "
                                              "(1: no stage search)"),
     save: Optional[Path] = typer.Option(None, help="save the plan as JSON"),
+    compile_check: bool = typer.Option(False, "--compile", help="also compile the plan on as "
+                                       "many simulated CPU devices (shapes only, nothing "
+                                       "allocated): collectives and memory per device beside "
+                                       "the prediction and the device's memory"),
 ) -> None:
     """Plan without running anything: any mesh, even a cluster you do not have."""
     import spmd
 
     _check_step_options(model, step_ref, batch_size)
     device_mesh = spmd.load_mesh(mesh, virtual=True)
+    if compile_check:  # before jax starts: as many CPU devices as the mesh has
+        from spmd.cluster.devices import set_cpu_device_count
+
+        set_cpu_device_count(device_mesh.size, f"`spmd plan --compile` on mesh "
+                             f"{device_mesh.name!r}")
     step_fn, args, title = _abstract_step(model, step_ref, batch_size)
     options = spmd.SearchOptions(time_limit=time_limit, memory_budget=memory_budget,
                                  pipeline=spmd.PipelineOptions(min_stages=min_stages,
@@ -343,11 +352,27 @@ def plan_cmd(
     with _working(f"planning {step_ref or model or DEFAULT_MODEL} on {device_mesh.name} "
                   f"({method})"):
         plan = spmd.plan(step_fn, *args, mesh=device_mesh, method=method, options=options)
+    check = _compile_checked(plan) if compile_check else None
     typer.echo(title)
     typer.echo(plan.describe())
+    if check is not None:
+        typer.echo(check)
     if save:
         plan.save(save)
         typer.echo(f"saved {save}")
+
+
+def _compile_checked(plan) -> str:
+    """``spmd plan --compile``: the plan compiled and read (``verify.check_compiled``), in
+    words; a pipeline's programs are compiled by its first step, so it says so instead."""
+    from spmd.analysis import verify
+    from spmd.plan import Plan
+
+    if not isinstance(plan, Plan):
+        return ("--compile: not compiled: a pipeline plan's programs are compiled when it "
+                "runs (`spmd run`); this check covers one-program plans (--max-stages 1)")
+    with _working(f"compiling on {plan.mesh.size} simulated CPU devices"):
+        return verify.describe_check(verify.check_compiled(plan))
 
 
 @app.command()

@@ -1,5 +1,6 @@
 """The command line: user errors are one message with exit status 2, never a traceback."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -128,6 +129,42 @@ def test_plan_for_a_cluster_that_is_not_here(capsys, tmp_path):
     plan = Plan.load(saved, spmd.load_mesh("a100-8x8", virtual=True))
     specs = {leaf.path: spec for leaf, spec in zip(plan.leaves, plan.input_specs)}
     assert specs["model/blocks/0/mlp/wi"] == (("data", "model"), ())
+
+
+def test_plan_compile_checks_a_gpu_plan_on_cpu_devices(capsys, tmp_path):
+    """`spmd plan --compile`: the plan for 8 virtual A100s compiled on the 8 CPU devices the
+    test session has, its collectives and memory shown beside the prediction (the CPU's
+    all-reduce + slice read as the GPU's reduce-scatter), and saved with the plan."""
+    saved = tmp_path / "plan.json"
+    code, out, err = _run(capsys, "plan", "--model", "gpt-tiny", "--mesh", "a100-8",
+                          "--time-limit", "2", "--compile", "--save", str(saved))
+    assert code == 0, err
+    assert "HLO MiB" in out and "XLA:GPU" in out and "peak memory" in out
+    found = re.search(r"compiled on 8 simulated CPU devices \(XLA:CPU, shapes only\) in \d+ s: "
+                      r"([\d.]+) (KiB|MiB) per device \(arguments \+ temporaries\); predicted "
+                      r"[\d.]+ (KiB|MiB) \(compiled / predicted = ([\d.]+)\)", out)
+    assert found, out
+    assert 0.85 <= float(found.group(4)) <= 1.15  # the memory benchmark's target
+    assert "the plan priced as XLA:CPU runs it" in out
+    assert "device memory 37.25 GiB: the compiled step fits" in out
+    measured = json.loads(saved.read_text())["measured"]
+    assert measured["memory"]["temp_bytes"] > 0 and measured["platform"] == "gpu"
+
+
+def test_compile_check_names_what_does_not_fit_and_xla_cpus_order():
+    from spmd.analysis.verify import CompileCheck, describe_check
+
+    gib = 2**30
+    check = CompileCheck(devices=8, seconds=130.0, compiled_bytes=42 * gib,
+                         predicted_bytes=31 * gib, as_cpu_bytes=31 * gib,
+                         device_bytes=40e9, gpu_mesh=True)
+    text = describe_check(check)
+    assert not check.fits
+    assert "compiled / predicted = 1.35" in text and "compiled / that = 1.35" in text
+    assert "device memory 37.25 GiB: the compiled step needs 4.75 GiB more" in text
+    assert "breadth-first" in text and "whose memory only their own compile checks" in text
+    near = dataclasses.replace(check, compiled_bytes=32 * gib)
+    assert near.fits and "breadth-first" not in describe_check(near)
 
 
 def test_compare_judges_auto_against_every_compiled_hand_written_plan(capsys, tmp_path):

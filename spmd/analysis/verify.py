@@ -2,6 +2,8 @@
 plan compiled side by side, each judged as XLA compiled it (collective bytes, their time
 priced by the cost model, memory), beside what the cost model predicted.
 
+``check_compiled`` compiles one plan the same way and reads its memory against the
+prediction and the device's memory (``spmd plan --compile``; ``describe_check`` says it).
 ``compare`` plans a step with ``method="auto"`` (every hand-written plan scored on the same
 cost graph), compiles auto's plan and each hand-written one from abstract arguments (nothing
 is allocated: a 64-GPU plan compiles on as many simulated CPU devices) and returns a
@@ -28,7 +30,7 @@ import math
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from spmd.analysis.report import analyze
+from spmd.analysis.report import analyze, readable_bytes
 from spmd.api import plan, plan_manual
 from spmd.logical import user_pins
 from spmd.manual import DOES_NOT_APPLY, applicable_methods, manual_specs
@@ -37,7 +39,8 @@ from spmd.plan import Plan
 from spmd.runtime.compile import prepare
 from spmd.trace.signature import StepSignature
 
-__all__ = ["CRITERIA", "compare", "describe", "judge", "measure", "memory_bytes"]
+__all__ = ["CRITERIA", "CompileCheck", "check_compiled", "compare", "describe", "describe_check",
+           "judge", "memory_bytes"]
 
 BYTES_SLACK = 1.05      # criterion B
 MEMORY_SLACK = 1.01     # criterion B strict: XLA's peak moves by a little between equivalent plans
@@ -64,6 +67,89 @@ def memory_bytes(entry: Mapping[str, Any]) -> int | None:
     if mem:
         return mem["argument_bytes"] + mem["temp_bytes"]
     return entry.get("peak_bytes")
+
+
+#: compiled memory over the plan priced as the compiling platform runs it, past which the
+#: check names XLA:CPU's order as the likely cause (the memory benchmark's target)
+MEMORY_TOLERANCE = 0.15
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileCheck:
+    """One plan compiled from its abstract arguments on as many simulated CPU devices as its
+    mesh has (``check_compiled``); memory per device.
+
+    Attributes:
+      devices: the simulated devices it compiled on.
+      seconds: the compile's.
+      compiled_bytes: XLA's arguments + temporaries (``memory_bytes``).
+      predicted_bytes: the plan's prediction, for its mesh's platform.
+      as_cpu_bytes: the plan priced as XLA:CPU runs it (its collectives, on the same mesh),
+        what the compile is comparable with; None for a CPU mesh (the prediction is that)
+        or a plan not searched in this process.
+      device_bytes: the memory of one of the mesh's devices.
+      gpu_mesh: whether the mesh is another platform's, stood in for by CPU devices.
+    """
+
+    devices: int
+    seconds: float
+    compiled_bytes: int
+    predicted_bytes: float
+    as_cpu_bytes: float | None
+    device_bytes: float
+    gpu_mesh: bool
+
+    @property
+    def fits(self) -> bool:
+        return self.compiled_bytes <= self.device_bytes
+
+
+def check_compiled(p: Plan) -> CompileCheck:
+    """Compile ``p`` (shapes only: nothing is allocated) on the CPU devices of this process,
+    attach what XLA emitted to it (``Plan.attach_measured``: ``describe()`` then shows
+    predicted against compiled collectives) and read its memory.
+
+    Raises:
+      MeshError: this process has fewer CPU devices than the mesh (set before jax starts:
+        ``spmd.cluster.devices.set_cpu_device_count``).
+    """
+    start = time.perf_counter()
+    report = analyze(prepare(p).compile())
+    seconds = time.perf_counter() - start
+    p.attach_measured(report)
+    gpu_mesh = p.mesh.platform != "cpu"
+    as_cpu = p.priced_on("cpu") if gpu_mesh else None
+    return CompileCheck(devices=p.mesh.size, seconds=seconds,
+                        compiled_bytes=memory_bytes(p.measured),
+                        predicted_bytes=p.prediction.memory_bytes,
+                        as_cpu_bytes=None if as_cpu is None else as_cpu.memory_bytes,
+                        device_bytes=p.mesh.device.memory_bytes, gpu_mesh=gpu_mesh)
+
+
+def describe_check(c: CompileCheck) -> str:
+    """The check in words: compiled memory beside the prediction and the device's memory,
+    and, where XLA:CPU needed much more than the plan as XLA:CPU runs it, why."""
+    size = readable_bytes
+    lines = [f"compiled on {c.devices} simulated CPU devices (XLA:CPU, shapes only) in "
+             f"{c.seconds:.0f} s: {size(c.compiled_bytes)} per device (arguments + "
+             f"temporaries); predicted {size(c.predicted_bytes)} "
+             f"(compiled / predicted = {c.compiled_bytes / c.predicted_bytes:.2f})"]
+    if c.as_cpu_bytes:
+        lines.append(f"the plan priced as XLA:CPU runs it: {size(c.as_cpu_bytes)} (compiled / "
+                     f"that = {c.compiled_bytes / c.as_cpu_bytes:.2f})")
+    over = c.compiled_bytes - c.device_bytes
+    lines.append(f"device memory {size(c.device_bytes)}: the compiled step "
+                 + ("fits" if c.fits else f"needs {size(over)} more"))
+    reference = c.as_cpu_bytes or c.predicted_bytes
+    if c.compiled_bytes > (1 + MEMORY_TOLERANCE) * reference:
+        lines.append(
+            "XLA:CPU schedules a program with collectives breadth-first, for concurrency, "
+            "even where that needs more memory than its memory-minded order: each op, "
+            "collectives included, runs as soon as its operands exist and its result waits "
+            "for its reader, where spmd's liveness follows program order"
+            + ("; this compile stands in for the GPUs, whose memory only their own "
+               "compile checks" if c.gpu_mesh else ""))
+    return "\n".join(lines)
 
 
 def compare(step_fn: Callable, *args: Any, mesh, options: SearchOptions | None = None,
