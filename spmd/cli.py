@@ -364,13 +364,13 @@ def plan_cmd(
 
 def _compile_checked(plan) -> str:
     """``spmd plan --compile``: the plan compiled and read (``verify.check_compiled``), in
-    words; a pipeline's programs are compiled by its first step, so it says so instead."""
+    words; an MPMD pipeline's programs are compiled by its first step, so it says so."""
     from spmd.analysis import verify
-    from spmd.plan import Plan
 
-    if not isinstance(plan, Plan):
-        return ("--compile: not compiled: a pipeline plan's programs are compiled when it "
-                "runs (`spmd run`); this check covers one-program plans (--max-stages 1)")
+    if getattr(plan, "runtime", "spmd") != "spmd":
+        return ("--compile: not compiled: this pipeline runs a program per stage and phase "
+                "(the MPMD runtime), compiled when it runs (`spmd run`); one-program plans "
+                "are checked here (--max-stages 1, or a scanned model's SPMD pipeline)")
     with _working(f"compiling on {plan.mesh.size} simulated CPU devices"):
         return verify.describe_check(verify.check_compiled(plan))
 

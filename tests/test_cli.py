@@ -151,6 +151,21 @@ def test_plan_compile_checks_a_gpu_plan_on_cpu_devices(capsys, tmp_path):
     assert measured["memory"]["temp_bytes"] > 0 and measured["platform"] == "gpu"
 
 
+def test_plan_compile_checks_a_one_program_pipeline_and_says_why_not_an_mpmd_one(capsys):
+    """The SPMD runtime's pipeline is one program: compiled and read against its predicted
+    peak; the MPMD runtime's programs are compiled when it runs, and the check says so."""
+    code, out, err = _run(capsys, "plan", "--model", "gpt-tiny-scan", "--mesh", "cpu-pp",
+                          "--method", "pp_tp", "--compile")
+    assert code == 0, err
+    found = re.search(r"compiled on 8 simulated CPU devices .* per device \(arguments \+ "
+                      r"temporaries\); predicted .* \(compiled / predicted = ([\d.]+)\)", out)
+    assert found and 0.85 <= float(found.group(1)) <= 1.15, out
+    code, out, err = _run(capsys, "plan", "--model", "gpt-tiny", "--mesh", "cpu-pp",
+                          "--method", "pp_dp", "--compile")
+    assert code == 0, err
+    assert "--compile: not compiled: this pipeline runs a program per stage and phase" in out
+
+
 def test_compile_check_names_what_does_not_fit_and_xla_cpus_order():
     from spmd.analysis.verify import CompileCheck, describe_check
 

@@ -37,6 +37,8 @@ from spmd.manual import DOES_NOT_APPLY, applicable_methods, manual_specs
 from spmd.options import SearchOptions
 from spmd.plan import Plan
 from spmd.runtime.compile import prepare
+from spmd.runtime.stacked import stacked_executable
+from spmd.stages.plan import PipelinePlan
 from spmd.trace.signature import StepSignature
 
 __all__ = ["CRITERIA", "CompileCheck", "check_compiled", "compare", "describe", "describe_check",
@@ -104,23 +106,32 @@ class CompileCheck:
         return self.compiled_bytes <= self.device_bytes
 
 
-def check_compiled(p: Plan) -> CompileCheck:
-    """Compile ``p`` (shapes only: nothing is allocated) on the CPU devices of this process,
-    attach what XLA emitted to it (``Plan.attach_measured``: ``describe()`` then shows
-    predicted against compiled collectives) and read its memory.
+def check_compiled(p: Plan | PipelinePlan) -> CompileCheck:
+    """Compile ``p`` (shapes only: nothing is allocated) on the CPU devices of this process
+    and read its memory. A ``Plan`` gets what XLA emitted attached
+    (``Plan.attach_measured``: ``describe()`` then shows predicted against compiled
+    collectives); a pipeline is one program only under the SPMD runtime.
 
     Raises:
+      ValueError: ``p`` is a pipeline of the MPMD runtime (a program per stage and phase,
+        compiled when it runs).
       MeshError: this process has fewer CPU devices than the mesh (set before jax starts:
         ``spmd.cluster.devices.set_cpu_device_count``).
     """
+    if isinstance(p, PipelinePlan) and p.runtime != "spmd":
+        raise ValueError("an MPMD pipeline compiles a program per stage and phase when it "
+                         "runs; only one-program plans are checked here")
+    executable = prepare(p) if isinstance(p, Plan) else stacked_executable(p)
     start = time.perf_counter()
-    report = analyze(prepare(p).compile())
+    report = analyze(executable.compile())
     seconds = time.perf_counter() - start
-    p.attach_measured(report)
+    record = report.record(p.mesh)
+    if isinstance(p, Plan):
+        p.attach_measured(report)
     gpu_mesh = p.mesh.platform != "cpu"
-    as_cpu = p.priced_on("cpu") if gpu_mesh else None
+    as_cpu = p.priced_on("cpu") if gpu_mesh and isinstance(p, Plan) else None
     return CompileCheck(devices=p.mesh.size, seconds=seconds,
-                        compiled_bytes=memory_bytes(p.measured),
+                        compiled_bytes=memory_bytes(record),
                         predicted_bytes=p.prediction.memory_bytes,
                         as_cpu_bytes=None if as_cpu is None else as_cpu.memory_bytes,
                         device_bytes=p.mesh.device.memory_bytes, gpu_mesh=gpu_mesh)
