@@ -271,9 +271,13 @@ class Report:
 
 
 def readable_bytes(n: float) -> str:
-    """``1.50 MiB``: binary units, two decimals."""
+    """``1.50 MiB``: binary units, two decimals.
+
+    >>> readable_bytes(512.0), readable_bytes(1.5 * 2**20)
+    ('512 B', '1.50 MiB')
+    """
     if n < 1024:
-        return f"{n} B"
+        return f"{n:.0f} B"
     for unit in ("KiB", "MiB", "GiB", "TiB"):
         n /= 1024
         if n < 1024 or unit == "TiB":
