@@ -180,6 +180,8 @@ def test_compile_check_names_what_does_not_fit_and_xla_cpus_order():
     assert "breadth-first" in text and "whose memory only their own compile checks" in text
     near = dataclasses.replace(check, compiled_bytes=32 * gib)
     assert near.fits and "breadth-first" not in describe_check(near)
+    unpriced = dataclasses.replace(check, predicted_bytes=None, as_cpu_bytes=None)
+    assert "temporaries); no prediction" in describe_check(unpriced)
 
 
 def test_compare_judges_auto_against_every_compiled_hand_written_plan(capsys, tmp_path):

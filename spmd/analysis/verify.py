@@ -85,7 +85,7 @@ class CompileCheck:
       devices: the simulated devices it compiled on.
       seconds: the compile's.
       compiled_bytes: XLA's arguments + temporaries (``memory_bytes``).
-      predicted_bytes: the plan's prediction, for its mesh's platform.
+      predicted_bytes: the plan's prediction, for its mesh's platform (None: not priced).
       as_cpu_bytes: the plan priced as XLA:CPU runs it (its collectives, on the same mesh),
         what the compile is comparable with; None for a CPU mesh (the prediction is that)
         or a plan not searched in this process.
@@ -96,7 +96,7 @@ class CompileCheck:
     devices: int
     seconds: float
     compiled_bytes: int
-    predicted_bytes: float
+    predicted_bytes: float | None
     as_cpu_bytes: float | None
     device_bytes: float
     gpu_mesh: bool
@@ -132,7 +132,8 @@ def check_compiled(p: Plan | PipelinePlan) -> CompileCheck:
     as_cpu = p.priced_on("cpu") if gpu_mesh and isinstance(p, Plan) else None
     return CompileCheck(devices=p.mesh.size, seconds=seconds,
                         compiled_bytes=memory_bytes(record),
-                        predicted_bytes=p.prediction.memory_bytes,
+                        predicted_bytes=None if p.prediction is None
+                        else p.prediction.memory_bytes,
                         as_cpu_bytes=None if as_cpu is None else as_cpu.memory_bytes,
                         device_bytes=p.mesh.device.memory_bytes, gpu_mesh=gpu_mesh)
 
@@ -141,10 +142,12 @@ def describe_check(c: CompileCheck) -> str:
     """The check in words: compiled memory beside the prediction and the device's memory,
     and, where XLA:CPU needed much more than the plan as XLA:CPU runs it, why."""
     size = readable_bytes
+    predicted = ("no prediction" if not c.predicted_bytes else
+                 f"predicted {size(c.predicted_bytes)} (compiled / predicted = "
+                 f"{c.compiled_bytes / c.predicted_bytes:.2f})")
     lines = [f"compiled on {c.devices} simulated CPU devices (XLA:CPU, shapes only) in "
              f"{c.seconds:.0f} s: {size(c.compiled_bytes)} per device (arguments + "
-             f"temporaries); predicted {size(c.predicted_bytes)} "
-             f"(compiled / predicted = {c.compiled_bytes / c.predicted_bytes:.2f})"]
+             f"temporaries); {predicted}"]
     if c.as_cpu_bytes:
         lines.append(f"the plan priced as XLA:CPU runs it: {size(c.as_cpu_bytes)} (compiled / "
                      f"that = {c.compiled_bytes / c.as_cpu_bytes:.2f})")
@@ -152,7 +155,7 @@ def describe_check(c: CompileCheck) -> str:
     lines.append(f"device memory {size(c.device_bytes)}: the compiled step "
                  + ("fits" if c.fits else f"needs {size(over)} more"))
     reference = c.as_cpu_bytes or c.predicted_bytes
-    if c.compiled_bytes > (1 + MEMORY_TOLERANCE) * reference:
+    if reference and c.compiled_bytes > (1 + MEMORY_TOLERANCE) * reference:
         lines.append(
             "XLA:CPU schedules a program with collectives breadth-first, for concurrency, "
             "even where that needs more memory than its memory-minded order: each op, "
