@@ -243,9 +243,10 @@ def render(data: dict[str, Any]) -> str:
         "- On CPU XLA emits no reduce-scatter: it all-reduces and then slices, so the "
         "gradient reduction of `zero` and `fsdp` shows as all-reduce here (the full "
         "gradient bytes), not as reduce-scatter. On GPU the same plans reduce-scatter.",
-        "- On CPU the backend reports its own `peak_memory_in_bytes`, which comes out at the "
-        "argument bytes (the sharded state) and leaves out temporaries; `arg+temp` is the "
-        "better per-device memory figure here.",
+        "- On CPU the backend's own `peak_memory_in_bytes` comes out at the argument bytes "
+        "(the sharded state), leaving out temporaries; `peak` is then arguments + outputs + "
+        "temporaries - aliased (`spmd.analysis.report.MemoryReport`), `arg+temp` without the "
+        "outputs that alias no argument.",
         "- `dp` all-reduces the gradients once: its all-reduce bytes are about 4 bytes x "
         "parameters, plus the scalar loss; for wresnet also the BatchNorm batch statistics "
         "(mean and variance over the global batch); for gpt/moe also one more token-"
