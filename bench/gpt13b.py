@@ -33,7 +33,7 @@ def run(compile_it: bool) -> dict[str, Any]:
 
     import spmd
     from spmd import zoo
-    from spmd.runtime.compile import prepare
+    from spmd.analysis import verify
 
     spec = zoo.get(MODEL)
     mesh = spmd.load_mesh(MESH, virtual=True)
@@ -58,17 +58,17 @@ def run(compile_it: bool) -> dict[str, Any]:
         "alternatives": {k: v if isinstance(v, str) else v.to_dict()
                          for k, v in plan.alternatives.items()},
     }
-    if compile_it:
-        start = time.perf_counter()
-        report = spmd.analyze(prepare(plan).compile())
-        out["compile_seconds"] = time.perf_counter() - start
-        memory = report.memory
+    if compile_it:  # `spmd plan --compile`'s check
+        check = verify.check_compiled(plan)
+        out["compile_seconds"] = check.seconds
+        memory = check.report.memory
         out["compiled"] = {"argument_bytes": memory.argument_bytes,
                            "temp_bytes": memory.temp_bytes,
-                           "total_bytes": memory.argument_bytes + memory.temp_bytes,
-                           "collectives": {k: list(v) for k, v in report.collectives.items()}}
-        as_cpu = plan.priced_on("cpu")  # the same plan as XLA:CPU runs it: what compiled
-        out["as_cpu"] = None if as_cpu is None else as_cpu.to_dict()
+                           "total_bytes": check.compiled_bytes,
+                           "collectives": {k: list(v)
+                                           for k, v in check.report.collectives.items()}}
+        # the same plan as XLA:CPU runs it: what compiled
+        out["as_cpu"] = None if check.as_cpu is None else check.as_cpu.to_dict()
     return out
 
 

@@ -76,8 +76,9 @@ def plan(step_fn: Callable, *example_args: Any, mesh: DeviceMesh, method: str = 
         return plan_manual(sig, mesh, method, options)
 
 
-def _runnable(p: Plan | PipelinePlan, donate: bool | None) -> Any:
-    """The executable of a plan: one jitted program, or a pipeline of them."""
+def runnable(p: Plan | PipelinePlan, donate: bool | None = None) -> Any:
+    """The executable of a plan: one jitted program (``compile()`` gives it), or an MPMD
+    pipeline of them (``PipelineExecutable``: compiled by its first step)."""
     if isinstance(p, PipelinePlan):
         return (stacked_executable(p, donate) if p.runtime == "spmd"
                 else PipelineExecutable(p, donate))
@@ -183,7 +184,7 @@ class ParallelStep:
         sig = plan.bound_signature()
         step = cls(sig.step_fn, plan.mesh, plan.method, logical_axes=logical_axes,
                    batch_argnums=tuple(sig.batch_argnums), donate=donate, options=options)
-        step._prepared[sig.in_treedef, _avals(sig.in_avals)] = _runnable(plan, donate)
+        step._prepared[sig.in_treedef, _avals(sig.in_avals)] = runnable(plan, donate)
         return step
 
     @property
@@ -220,7 +221,7 @@ class ParallelStep:
             p = plan(self.step_fn, *args, mesh=self.mesh, method=self.method,
                      logical_axes=self.logical_axes, batch_argnums=self.batch_argnums,
                      options=self.options)
-            self._prepared[key] = _runnable(p, self.donate)
+            self._prepared[key] = runnable(p, self.donate)
         return self._prepared[key]
 
     def plan_for(self, *args: Any) -> Plan:

@@ -168,10 +168,13 @@ def test_plan_compile_checks_a_one_program_pipeline_and_says_why_not_an_mpmd_one
 
 def test_compile_check_names_what_does_not_fit_and_xla_cpus_order():
     from spmd.analysis.verify import CompileCheck, describe_check
+    from spmd.search.predict import Prediction
 
     gib = 2**30
+    as_cpu = Prediction(compute_time=1.0, comm_time=0.2, memory_bytes=31 * gib,
+                        collectives={}, objective=1.2)
     check = CompileCheck(devices=8, seconds=130.0, compiled_bytes=42 * gib,
-                         predicted_bytes=31 * gib, as_cpu_bytes=31 * gib,
+                         predicted_bytes=31 * gib, as_cpu=as_cpu,
                          device_bytes=40e9, gpu_mesh=True)
     text = describe_check(check)
     assert not check.fits
@@ -180,7 +183,7 @@ def test_compile_check_names_what_does_not_fit_and_xla_cpus_order():
     assert "breadth-first" in text and "whose memory only their own compile checks" in text
     near = dataclasses.replace(check, compiled_bytes=32 * gib)
     assert near.fits and "breadth-first" not in describe_check(near)
-    unpriced = dataclasses.replace(check, predicted_bytes=None, as_cpu_bytes=None)
+    unpriced = dataclasses.replace(check, predicted_bytes=None, as_cpu=None)
     assert "temporaries); no prediction" in describe_check(unpriced)
 
 

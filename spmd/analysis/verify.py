@@ -30,14 +30,14 @@ import math
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from spmd.analysis.report import analyze, readable_bytes
-from spmd.api import plan, plan_manual
+from spmd.analysis.report import Report, analyze, readable_bytes
+from spmd.api import plan, plan_manual, runnable
 from spmd.logical import user_pins
 from spmd.manual import DOES_NOT_APPLY, applicable_methods, manual_specs
 from spmd.options import SearchOptions
 from spmd.plan import Plan
 from spmd.runtime.compile import prepare
-from spmd.runtime.stacked import stacked_executable
+from spmd.search.predict import Prediction
 from spmd.stages.plan import PipelinePlan
 from spmd.trace.signature import StepSignature
 
@@ -86,24 +86,30 @@ class CompileCheck:
       seconds: the compile's.
       compiled_bytes: XLA's arguments + temporaries (``memory_bytes``).
       predicted_bytes: the plan's prediction, for its mesh's platform (None: not priced).
-      as_cpu_bytes: the plan priced as XLA:CPU runs it (its collectives, on the same mesh),
-        what the compile is comparable with; None for a CPU mesh (the prediction is that)
-        or a plan not searched in this process.
+      as_cpu: the plan priced as XLA:CPU runs it (its collectives, on the same mesh), what
+        the compile is comparable with; None for a CPU mesh (the prediction is that) or a
+        plan not searched in this process.
       device_bytes: the memory of one of the mesh's devices.
       gpu_mesh: whether the mesh is another platform's, stood in for by CPU devices.
+      report: what XLA:CPU compiled (``spmd.analyze``: its own collectives and memory).
     """
 
     devices: int
     seconds: float
     compiled_bytes: int
     predicted_bytes: float | None
-    as_cpu_bytes: float | None
+    as_cpu: Prediction | None
     device_bytes: float
     gpu_mesh: bool
+    report: Report | None = None
 
     @property
     def fits(self) -> bool:
         return self.compiled_bytes <= self.device_bytes
+
+    @property
+    def as_cpu_bytes(self) -> float | None:
+        return None if self.as_cpu is None else self.as_cpu.memory_bytes
 
 
 def check_compiled(p: Plan | PipelinePlan) -> CompileCheck:
@@ -113,29 +119,32 @@ def check_compiled(p: Plan | PipelinePlan) -> CompileCheck:
     collectives); a pipeline is one program only under the SPMD runtime.
 
     Raises:
-      ValueError: ``p`` is a pipeline of the MPMD runtime (a program per stage and phase,
-        compiled when it runs).
+      ValueError: ``p`` is a pipeline of the MPMD runtime (its message says why it is not
+        compiled here).
       MeshError: this process has fewer CPU devices than the mesh (set before jax starts:
         ``spmd.cluster.devices.set_cpu_device_count``).
     """
     if isinstance(p, PipelinePlan) and p.runtime != "spmd":
-        raise ValueError("an MPMD pipeline compiles a program per stage and phase when it "
-                         "runs; only one-program plans are checked here")
-    executable = prepare(p) if isinstance(p, Plan) else stacked_executable(p)
+        raise ValueError("this pipeline runs a program per stage and phase (the MPMD "
+                         "runtime), compiled when it runs (`spmd run`); one-program plans "
+                         "are checked here (--max-stages 1, or a scanned model's SPMD "
+                         "pipeline)")
     start = time.perf_counter()
-    report = analyze(executable.compile())
+    report = analyze(runnable(p).compile())
     seconds = time.perf_counter() - start
-    record = report.record(p.mesh)
     if isinstance(p, Plan):
         p.attach_measured(report)
+        record = p.measured
+    else:
+        record = report.record(p.mesh)
     gpu_mesh = p.mesh.platform != "cpu"
-    as_cpu = p.priced_on("cpu") if gpu_mesh and isinstance(p, Plan) else None
     return CompileCheck(devices=p.mesh.size, seconds=seconds,
                         compiled_bytes=memory_bytes(record),
                         predicted_bytes=None if p.prediction is None
                         else p.prediction.memory_bytes,
-                        as_cpu_bytes=None if as_cpu is None else as_cpu.memory_bytes,
-                        device_bytes=p.mesh.device.memory_bytes, gpu_mesh=gpu_mesh)
+                        as_cpu=p.priced_on("cpu") if gpu_mesh and isinstance(p, Plan) else None,
+                        device_bytes=p.mesh.device.memory_bytes, gpu_mesh=gpu_mesh,
+                        report=report)
 
 
 def describe_check(c: CompileCheck) -> str:
