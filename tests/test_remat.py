@@ -175,3 +175,30 @@ def test_an_nnx_model_under_a_budget_recomputes_some_of_its_blocks():
     assert len(moments(opt)) == len(jax.tree.leaves(nnx.state(model, nnx.Param)))
     for a, b in zip(moments(opt), moments(want_opt)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-7)
+
+
+def test_a_retry_lowers_the_rows_below_a_plan_they_did_not_bind():
+    """``search_under``: a plan over the budget by what the prediction adds beside the
+    program's memory rows, whose rows sat well below the target, is lowered past those rows,
+    not by the overshoot alone (which would find the same plan again and again)."""
+    from types import SimpleNamespace
+
+    from spmd.search.memory_fit import search_under
+
+    gib = 2.0**30
+
+    def plan(rows: float, peak: float):
+        return SimpleNamespace(prediction=SimpleNamespace(memory_bytes=peak * gib),
+                               stats={"program_peak_bytes": rows * gib})
+
+    class Job:  # rows 28 GiB + 6 beside them; a leaner plan exists only under 28
+        targets: list[float] = []
+
+        def search(self, *, memory_budget, **_):
+            self.targets.append(memory_budget / gib)
+            return plan(28, 34) if memory_budget >= 28 * gib else plan(27, 31)
+
+    job = Job()
+    result, why = search_under(job, 33.5 * gib, spmd.SearchOptions())
+    assert why is None and result.prediction.memory_bytes == 31 * gib
+    assert job.targets == [33.5, pytest.approx(27.5)]

@@ -29,7 +29,7 @@ from spmd.search.costgraph import CostGraph, InputInfo
 from spmd.search.encode import Encoder, Encoding
 from spmd.search.predict import Prediction, predict
 from spmd.sharding import Spec, replicated, spec_from_json, spec_to_json
-from spmd.solver import SolverRequest, SolverResult, solve
+from spmd.solver import SolverRequest, SolverResult, memory_peak, solve
 from spmd.timing import Stopwatch
 from spmd.trace.graph import Graph, Value, build_graph, operand_key, value_key
 
@@ -273,6 +273,8 @@ def _stats(enc: Encoding, req: SolverRequest, res: SolverResult, seconds: float)
         "small_bytes": cg.small_bytes, "search_seconds": seconds,
         "solve_seconds": res.solve_time, "status": res.status, "stalled": res.stalled,
         "off_path": cg.stats["off_path"],
+        # the peak the program's own memory rows see (the prediction adds buffers beside)
+        "program_peak_bytes": memory_peak(req, res.choice) if req.liveness else None,
     }
 
 
