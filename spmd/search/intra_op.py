@@ -273,8 +273,10 @@ def _stats(enc: Encoding, req: SolverRequest, res: SolverResult, seconds: float)
         "small_bytes": cg.small_bytes, "search_seconds": seconds,
         "solve_seconds": res.solve_time, "status": res.status, "stalled": res.stalled,
         "off_path": cg.stats["off_path"],
-        # the peak the program's own memory rows see (the prediction adds buffers beside)
-        "program_peak_bytes": memory_peak(req, res.choice) if req.liveness else None,
+        # the peak the program's own memory rows see under a budget (the prediction adds
+        # buffers beside them); not read for a scoring, so not summed there
+        "program_peak_bytes": (memory_peak(req, res.choice)
+                               if req.liveness and req.memory_budget is not None else None),
     }
 
 
