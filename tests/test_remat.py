@@ -192,7 +192,8 @@ def test_a_retry_lowers_the_rows_below_a_plan_they_did_not_bind():
                                stats={"program_peak_bytes": rows * gib})
 
     class Job:  # rows 28 GiB + 6 beside them; a leaner plan exists only under 28
-        targets: list[float] = []
+        def __init__(self):
+            self.targets: list[float] = []
 
         def search(self, *, memory_budget, **_):
             self.targets.append(memory_budget / gib)
