@@ -55,3 +55,23 @@ def traced_zoo_step(name: str, batch: int = 8, **config):
     model, opt = nnx.eval_shape(spec.training_state)
     sig = StepSignature(spec.train_step, (model, opt, jax.eval_shape(lambda: spec.batch(batch, 0))))
     return sig, build_graph(sig.jaxpr)
+
+
+def assert_grads_close(got, want, *, atol: float = 1e-5, rtol: float = 1e-4,
+                       what: str = "") -> None:
+    """Gradient trees ``got`` (a parallel run) and ``want`` (one device) agree in fp32.
+
+    Each leaf's absolute tolerance is ``atol`` times its own largest gradient, but at least
+    a thousandth of the largest of the whole tree: fp32 noise follows the magnitudes
+    summed, not the result, and a gradient that is zero in exact arithmetic (a key bias,
+    which softmax ignores) came out as noise of ~1e-11 of either sign (gpt-tiny under
+    pp_tp with gpipe on cpu-pp)."""
+    import jax
+    import numpy as np
+
+    refs = [np.asarray(r) for r in jax.tree.leaves(want)]
+    overall = max(float(np.abs(r).max()) for r in refs)
+    for (path, leaf), ref in zip(jax.tree_util.tree_leaves_with_path(got), refs):
+        scale = max(float(np.abs(ref).max()), 1e-3 * overall)
+        np.testing.assert_allclose(np.asarray(leaf), ref, atol=atol * scale, rtol=rtol,
+                                   err_msg=f"{what} {jax.tree_util.keystr(path)}".strip())

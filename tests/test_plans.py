@@ -4,6 +4,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from conftest import assert_grads_close
 
 from spmd import zoo
 import spmd
@@ -77,11 +78,7 @@ def test_loss_and_gradients_match_one_device(mesh, name, method):
     loss, grads = step(model, batch)
     ref_loss, ref_grads = _reference(spec)
     np.testing.assert_allclose(float(loss), ref_loss, rtol=2e-5)
-    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(grads),
-                                 jax.tree.leaves(ref_grads)):
-        scale = max(float(np.abs(want).max()), 1e-6)
-        np.testing.assert_allclose(np.asarray(got), want, atol=2e-5 * scale, rtol=1e-4,
-                                   err_msg=f"{name} {method} {jax.tree_util.keystr(path)}")
+    assert_grads_close(grads, ref_grads, atol=2e-5, what=f"{name} {method}")
 
 
 @pytest.mark.parametrize("method", ["fsdp_tp", "zero"])

@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from conftest import assert_grads_close
 
 import spmd
 from spmd import zoo
@@ -39,12 +40,7 @@ def _assert_one_devices(step, spec, batch) -> None:
     with jax.default_device(jax.devices()[0]):
         want_loss, want = jax.jit(_grad_step(spec))(spec.create(0), batch)
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
-    for (path, got), ref in zip(jax.tree_util.tree_leaves_with_path(grads),
-                                jax.tree.leaves(want)):
-        ref = np.asarray(ref)
-        scale = max(float(np.abs(ref).max()), 1e-6)
-        np.testing.assert_allclose(np.asarray(got), ref, atol=1e-5 * scale, rtol=1e-4,
-                                   err_msg=jax.tree_util.keystr(path))
+    assert_grads_close(grads, want)
 
 
 @pytest.mark.parametrize("method,repeats", [("pp_dp", 1), ("pp_tp", 1), ("pp_tp", 2)])

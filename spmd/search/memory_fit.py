@@ -129,11 +129,11 @@ def search_under(job: IntraOp, budget: float, options: SearchOptions,
         least = peak if least is None else min(least, peak)
         over = (target, peak)
         lowered = target * budget / peak
-        rows_peak = result.stats.get("program_peak_bytes")
-        if rows_peak and rows_peak <= lowered:
+        program_peak = result.stats.get("program_peak_bytes")
+        if program_peak and program_peak <= lowered:
             # The rows did not bind (the plan would fit the lowered target as well, and be
             # found again): they must make room for what the prediction adds beside them.
-            lowered = rows_peak - (peak - budget)
+            lowered = program_peak - (peak - budget)
         target = max(lowered, (infeasible + target) / 2)
     return None, (None if least is None
                   else f"the least peak memory found is {format_bytes(least)}")
