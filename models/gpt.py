@@ -15,6 +15,7 @@ next-token cross-entropy.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
@@ -23,6 +24,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from . import layers
+
+
+#: ``Config.remat`` -> the jax.checkpoint policy around each block (None: no checkpoint); the
+#: names are spmd's own remat policies (``spmd.memory.remat``)
+REMAT_POLICIES: dict[str, Callable | None] = {
+    "none": None,
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "recompute_all": jax.checkpoint_policies.nothing_saveable,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +46,9 @@ class Config:
     seq_len: int = 32  # tokens per example; also the number of learned positions
     dtype: str = "float32"  # compute dtype; params stay fp32 (mixed precision)
     scan_layers: bool = False  # stack the blocks along a `layers` dim and loop with nnx.scan
+    # jax.checkpoint around each block, as a user writes it (spmd keeps it: a pin): "none",
+    # "save_dots" (dots_with_no_batch_dims_saveable) or "recompute_all" (nothing_saveable)
+    remat: str = "none"
 
     def __post_init__(self):
         layers.check_positive(
@@ -44,6 +57,9 @@ class Config:
         object.__setattr__(self, "dtype", layers.canonical_dtype(self.dtype))
         if not isinstance(self.scan_layers, bool):
             raise ValueError(f"spmd.zoo.gpt.Config.scan_layers must be a bool: {self.scan_layers!r}")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"spmd.zoo.gpt.Config.remat must be one of {sorted(REMAT_POLICIES)}: "
+                             f"{self.remat!r}")
 
 
 def _size(num_layers: int, d_model: int, num_heads: int) -> Config:
@@ -152,10 +168,11 @@ class GPT(nnx.Module):
         """tokens int32 (batch, seq) -> logits fp32 (batch, seq, vocab)."""
         x = self.embed.encode(tokens)  # (batch, seq, embed)
         if self.config.scan_layers:
-            x = _scan_blocks(self.blocks, x)
+            x = _scanner(self.config.remat)(self.blocks, x)
         else:
+            run = _block_runner(self.config.remat)
             for block in self.blocks:
-                x = block(x)
+                x = run(block, x)
         return self.embed.decode(self.ln_f(x))
 
 
@@ -171,10 +188,28 @@ def _stacked(
     return stack(jax.random.split(rngs(), num_layers))
 
 
-@nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry, transform_metadata=_LAYERS_METADATA)
-def _scan_blocks(block: Block, x: jax.Array) -> jax.Array:
-    """Apply a stacked Block layer by layer; the residual stream x is the carry."""
+def _run_block(block: Block, x: jax.Array) -> jax.Array:
     return block(x)
+
+
+@functools.cache
+def _block_runner(remat: str) -> Callable[[Block, jax.Array], jax.Array]:
+    """``block(x)``, under ``jax.checkpoint`` with ``remat``'s policy unless it is "none"."""
+    policy = REMAT_POLICIES[remat]
+    return _run_block if policy is None else nnx.remat(_run_block, policy=policy)
+
+
+@functools.cache
+def _scanner(remat: str) -> Callable[[Block, jax.Array], jax.Array]:
+    """Apply a stacked Block layer by layer (the residual stream x is the carry), each
+    layer under ``remat`` (``_block_runner``)."""
+    run = _block_runner(remat)
+
+    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry, transform_metadata=_LAYERS_METADATA)
+    def scan_blocks(block: Block, x: jax.Array) -> jax.Array:
+        return run(block, x)
+
+    return scan_blocks
 
 
 def create(config: Config, seed: int = 0) -> GPT:

@@ -134,6 +134,42 @@ def test_with_config_overrides_and_validates():
         zoo.get("wresnet-tiny").with_config(depth=11)
 
 
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+def test_gpt_remat_checkpoints_each_block_and_changes_no_number(scan):
+    """`remat` wraps every block in jax.checkpoint with the named policy, as a user writes
+    it: the step's jaxpr holds the checkpoint, and loss and gradients are the plain ones."""
+    from spmd.zoo import gpt
+
+    def loss_grads(remat):
+        spec = zoo.get("gpt-tiny").with_config(remat=remat, scan_layers=scan)
+        graphdef, state = nnx.split(spec.training_state()[0])
+        batch = spec.batch(4, 0)
+        f = lambda st: gpt.loss(nnx.merge(graphdef, st), batch)  # noqa: E731
+        jaxpr = jax.make_jaxpr(jax.grad(f))(state)
+        held = any(e.primitive.name in ("checkpoint", "remat", "remat2")
+                   for e in _all_eqns(jaxpr.jaxpr))
+        return jax.value_and_grad(f)(state), held
+
+    (loss, grads), held = loss_grads("none")
+    assert not held
+    for remat in ("save_dots", "recompute_all"):
+        (loss_r, grads_r), held = loss_grads(remat)
+        assert held, remat
+        np.testing.assert_allclose(loss_r, loss, rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(grads_r), jax.tree.leaves(grads)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="remat must be one of"):
+        zoo.get("gpt-tiny").with_config(remat="dots")
+
+
+def _all_eqns(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs inside its equations."""
+    for e in jaxpr.eqns:
+        yield e
+        for sub in jax.core.jaxprs_in_params(e.params):
+            yield from _all_eqns(sub)
+
+
 # --- logical names --------------------------------------------------------------------
 
 
