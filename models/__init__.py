@@ -12,7 +12,9 @@ user's own ``models`` package.
 
 A registered name is "<family>-<size>": gpt-{tiny,125m,350m,760m,1.3b,2.6b,6.7b,13b},
 mlp-{tiny,small}, moe-{tiny,small}, wresnet-{tiny,small}. `ModelSpec.with_config` changes
-any config field (`num_layers=48`, `dtype="bfloat16"`) for benchmarks.
+any config field (`num_layers=48`, `dtype="bfloat16"`) for benchmarks; a GPT's
+`remat="save_dots"` (or `"recompute_all"`) puts a `jax.checkpoint` with that policy around
+each block, as a user writes it (spmd keeps a step's own checkpoints).
 
 Logical axis names (read with `nnx.get_partition_spec(nnx.state(model))`; the optimizer
 state made by `spec.optimizer` carries the same names as its param):
