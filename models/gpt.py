@@ -6,7 +6,9 @@ logits tied to the token embedding. By default layers are unrolled in a Python l
 each one is its own stretch of the traced program, which is what the planner's layer
 clustering and pipeline stages cut along. With `Config.scan_layers` the blocks are one
 stacked module (every param gains a leading dim named `layers`) run by `nnx.scan`, so
-the traced program holds one layer's body whatever the depth.
+the traced program holds one layer's body whatever the depth. With `Config.remat` each
+block runs under `jax.checkpoint` with that policy, as a user's own model would (spmd keeps
+a step's checkpoints as they are written).
 
 Batch: {"inputs": int32 (batch, seq), "targets": int32 (batch, seq)}; loss is the mean
 next-token cross-entropy.
