@@ -102,26 +102,26 @@ def _label(name: str, overrides: dict[str, Any]) -> str:
 
 
 def _timed(step, steps: int) -> tuple[float, float]:
-    """(median seconds per step over ``steps`` after two warm-ups, the last loss);
-    ``step()`` runs one step and returns its loss array."""
+    """(seconds per step: ``spmd.timing.median_step`` of ``steps`` + 1 timed steps, as
+    ``spmd run`` reports it, the last loss); ``step()`` runs one step and returns its loss
+    array (read back, so each time holds the whole step)."""
     import numpy as np
 
-    for _ in range(2):
-        step()
+    from spmd.timing import median_step
+
     times, loss = [], float("nan")
-    for _ in range(steps):
+    for _ in range(steps + 1):
         start = time.perf_counter()
         loss = float(np.asarray(step()))
         times.append(time.perf_counter() - start)
-    return float(np.median(times)), loss
+    return median_step(times), loss
 
 
 def _rates(spec, batch_size: int, step_s: float, peak: float) -> dict[str, float]:
     flops = model_flops(spec.config, batch_size)
     return {"step_ms": step_s * 1e3, "tokens_per_s": spec.items_per_batch(batch_size) / step_s,
             "model_flops": flops, "achieved_tflops": flops / step_s / 1e12,
-            "peak_tflops": peak / 1e12, "mfu": flops / step_s / peak,
-            "roofline_ms": flops / peak * 1e3}
+            "peak_tflops": peak / 1e12, "mfu": flops / step_s / peak}
 
 
 def measure_spmd(mesh, datasheet, case, steps: int) -> dict[str, Any]:
@@ -129,7 +129,6 @@ def measure_spmd(mesh, datasheet, case, steps: int) -> dict[str, Any]:
     ``spmd.parallelize``; MFU against ``datasheet``'s (the bundled mesh's) peak."""
     import warnings
 
-    import jax
     from flax import nnx
 
     from spmd import zoo
@@ -151,7 +150,6 @@ def measure_spmd(mesh, datasheet, case, steps: int) -> dict[str, Any]:
         report = spmd.analyze(step.compile(net, opt, batch))
         compile_s = time.perf_counter() - start
     step_s, loss = _timed(lambda: step(net, opt, batch)["loss"], steps)
-    jax.block_until_ready(jax.tree.leaves(nnx.state(net)))
     predicted = plan.prediction
     return {
         "model": _label(name, overrides), "dtype": dtype, "batch": batch_size,
@@ -302,8 +300,8 @@ def write_report(path: Path, results: Path = RESULTS_MD) -> None:
                                  "model TFLOP/s", "MFU", "peak GiB", "compile s"], plain), ""]
     body += [
         "model TFLOP/s = the step's training FLOPs by the usual count (6 x parameters x tokens "
-        "+ attention, `model_flops`; recompute not counted) / measured step time (median of "
-        "the steps after two warm-ups); MFU = that over the datasheet peak of the bundled "
+        "+ attention, `model_flops`; recompute not counted) / measured step time (the median "
+        "after the first step, as `spmd run` reports it); MFU = that over the datasheet peak of the bundled "
         "mesh's device (989 TFLOP/s bf16 on H200), as the plain-JAX anchor's 48.4% was "
         "counted; predicted ms = the cost model's step time on the profiled mesh "
         "(`Plan.prediction`, one device: compute, memory traffic, kernel launches); peak GiB "
