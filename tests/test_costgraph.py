@@ -96,6 +96,52 @@ def test_a_value_read_twice_in_one_new_spec_is_resharded_once():
     assert evaluate(req, choice) == pytest.approx(pred.objective)
 
 
+def test_a_value_gathered_whole_for_two_readers_is_gathered_once():
+    """w (64, 64), its columns split over both axes, is read by a matmul that wants it
+    replicated and by one that wants its rows split over model. XLA gathers it whole for
+    the first and rematerializes it for the second (gathers it whole and slices): the same
+    all-gather of the same operand, which its CSE merges, so the compiled step gathers w
+    once. The prediction counts it once (the fan-out targets' paths share that step)."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    from spmd.analysis.hlo import collective_ops
+
+    def step(w, x):
+        return jnp.sum(x @ w) + jnp.sum(jnp.tanh(x) @ w)
+
+    args = jnp.ones((64, 64)), jnp.ones((32, 64))
+    graph = build_graph(jax.make_jaxpr(step)(*args))
+    infos = [InputInfo(f"in{i}", a.shape, a.dtype, "param") for i, a in enumerate(args)]
+    enc = Encoder(CostGraph(graph, infos, MESH)).encode([((), ("data", "model")), ((), ())])
+    dots = [n.id for n in graph.nodes if n.kind == "op" and n.op.primitive == "dot_general"]
+    wants = {dots[0]: (((), ()), ((), ())), dots[1]: (((), ("model",)), (("model",), ()))}
+
+    def pick(r: int) -> int:
+        for k, s in enumerate(enc.strats[r]):
+            if r in wants and tuple(s.in_specs) == wants[r]:
+                return k
+            if r not in wants and all(not any(spec) for spec in s.in_specs + s.out_specs):
+                return k
+        return 0  # an input: its pinned spec, the only one
+
+    pred = predict(enc, enc.node_choice([pick(r) for r in enc.roots]))
+    assert pred.collectives["all-gather"] == (1, 64 * 64 * 4)
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    spec = lambda *dims: NamedSharding(mesh, P(*dims))  # noqa: E731
+
+    def constrained(w, x):
+        whole = jax.lax.with_sharding_constraint(w, spec())
+        rows = jax.lax.with_sharding_constraint(w, spec("model", None))
+        t = jax.lax.with_sharding_constraint(jnp.tanh(x), spec(None, "model"))
+        return jnp.sum(x @ whole) + jnp.sum(t @ rows)
+
+    text = jax.jit(constrained, in_shardings=(spec(None, ("data", "model")), spec())
+                   ).lower(*args).compile().as_text()
+    gathers = [op.bytes for op in collective_ops(text) if op.kind == "all-gather"]
+    assert gathers == [64 * 64 * 4]
+
+
 def test_the_prediction_is_the_objective_the_solver_minimized():
     graph, infos = _mlp()
     cg = CostGraph(graph, infos, MESH, output_aliases={0: 0, 1: 1})

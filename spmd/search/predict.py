@@ -7,6 +7,12 @@ time the step spends. What only the prediction needs is counted here too: the co
 XLA emits (independent ones off the critical path combine into one per kind and mesh axes,
 on XLA:GPU up to its combine threshold's bytes each; a value resharded once per target spec
 and loop level), and the peak memory by liveness.
+
+One exception to objective = prediction: where a value's reshards to two target specs
+share their first steps (gathered whole for one reader, gathered whole and sliced for
+another), XLA runs the shared steps once and so does the prediction, but the solver's
+fan-outs pay each target's whole path (an upper bound, which steers the search away from
+such plans; pricing the steps jointly would need a fan-out per path step).
 """
 
 from __future__ import annotations
@@ -154,12 +160,16 @@ def predict(enc: Encoding, node_choice: Sequence[int]) -> Prediction:
             if c.kind in ("all-reduce", "reduce-scatter"):
                 partials.append((n.id, key, c.bytes))
     comm += sum(lat for lat, members in cg.charges if any(m in picked for m in members))
-    # Reshards: once per (value, target spec, loop level), as XLA reshards a value; each
-    # target spec's copy is a buffer from its first reader to its last.
+    # Reshards: once per (value, target spec, loop level), as XLA reshards a value, and
+    # the steps two targets' paths share from the same source once (XLA's CSE merges the
+    # same collective of the same operand: a value gathered whole for one reader and
+    # rematerialized, gathered whole and sliced, for another is gathered once); each target
+    # spec's copy is a buffer from its first reader to its last.
     copies: dict[tuple[Value, Spec], list[int]] = {}
     for v, reads in cg.reads.items():
         src = strategy[v.node].out_specs[v.index]
         paid = set()
+        emitted: set[tuple[int, tuple]] = set()  # (loop level, path prefix) of v's reshards
         for read in reads:
             dst = strategy[read.node].in_specs[read.operand]
             if dst == src:
@@ -168,9 +178,13 @@ def predict(enc: Encoding, node_choice: Sequence[int]) -> Prediction:
             if (dst, read.repeat) in paid:
                 continue
             paid.add((dst, read.repeat))
-            t, colls = cg.reshard(v, src, dst)
-            comm += read.repeat * t
-            for c in colls:
+            colls = cg.reshard(v, src, dst)[1]
+            for k, c in enumerate(colls):
+                step = (read.repeat, colls[:k + 1])
+                if step in emitted:
+                    continue
+                emitted.add(step)
+                comm += read.repeat * cg.cost.time(c)
                 row = counts.setdefault(c.kind, [0, 0.0])
                 row[0] += read.repeat
                 row[1] += c.bytes * read.repeat
