@@ -5,6 +5,8 @@ import os
 import sys
 import warnings
 
+from spmd.units import readable_bytes
+
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
@@ -37,23 +39,15 @@ class InfeasibleError(PlanError):
         self.least = least
 
 
-def format_bytes(n: float) -> str:
-    """``37.25 GiB (40000000000 bytes)``: the unit a person reads, and the exact figure."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit} ({n:.0f} bytes)"
-    return f"{n:.0f} bytes"
-
-
 def check_budget(method: str, need: float, budget: float | None, hint: str,
                  where: str = "per device") -> None:
     """A hand-written plan is not searched under the memory budget: it fits, or this raises
     an ``InfeasibleError`` saying by how much it does not, and ``hint`` what would."""
     if budget is not None and need > budget:
         raise InfeasibleError(
-            f"method {method!r} needs {need / 2**30:.2f} GiB {where} (predicted), over "
-            f"memory_budget={budget:.4g} bytes ({budget / 2**30:.2f} GiB) by "
-            f"{need - budget:.0f} bytes; "
+            f"method {method!r} needs {readable_bytes(need)} {where} (predicted), over "
+            f"memory_budget={budget:.4g} bytes ({readable_bytes(budget)}) by "
+            f"{readable_bytes(need - budget, exact=True)}; "
             f"{hint}")
 
 

@@ -20,7 +20,6 @@ __all__ = ["describe", "emitted_by", "solver_summary"]
 def describe(plan: "Plan", max_rows: int | None = 60) -> str:
     """A readable report of ``plan`` (``max_rows`` input rows at most; None: all)."""
     from rich.console import Console
-    from rich.table import Table
 
     buf = io.StringIO()
     console = Console(file=buf, width=120, record=False, force_terminal=False)

@@ -21,7 +21,8 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from spmd.errors import OptionsError, format_bytes
+from spmd.errors import OptionsError
+from spmd.units import readable_bytes
 
 __all__ = ["CACHE_ENV", "PipelineOptions", "Rules", "SearchOptions", "SolverOptions",
            "normalize_rules"]
@@ -298,11 +299,11 @@ class SearchOptions:
         """The planning budget in words, with what it was made from: ``the memory budget of
         33.53 GiB per device (37.25 GiB less the 10% memory_headroom ...)``."""
         budget, stated = self.budget_for(mesh), self.stated_budget(mesh)
-        words = f"the memory budget of {format_bytes(budget)} per device"
+        words = f"the memory budget of {readable_bytes(budget, exact=True)} per device"
         if not self.memory_headroom:
             return words
-        return (f"{words} ({format_bytes(stated)} less the {self.memory_headroom:.0%} "
-                f"memory_headroom left for the memory prediction's error)")
+        return (f"{words} ({readable_bytes(stated, exact=True)} less the "
+                f"{self.memory_headroom:.0%} memory_headroom left for the memory prediction's error)")
 
     def scoring(self) -> tuple[float, SolverOptions]:
         """The time limit and solver options for scoring one hand-written plan."""

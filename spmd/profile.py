@@ -43,6 +43,7 @@ from spmd.cost.partitioner import COLLECTIVE_KINDS, Collective
 from spmd.cost.time import CostModel
 from spmd.errors import MeshError, ProfileError
 from spmd.kernel_timer import OP_CHAIN, Timer
+from spmd.units import readable_bytes
 
 __all__ = ["DEFAULT_SIZES", "QUICK_SIZES", "DeviceFigures", "Fit", "Profile", "TimedShapes",
            "fit_link", "profile_mesh"]
@@ -199,9 +200,9 @@ class Profile:
                 f"{_rate(figures.rates['float32'][side])}" for side in shapes.sides),
             f"matmuls of side below {shapes.batched_below} run batched, "
             f"({shapes.batched_below} / side)^3 at once",
-            f"memory bandwidth: an elementwise op over {_bytes(shapes.buffer)} per "
+            f"memory bandwidth: an elementwise op over {readable_bytes(shapes.buffer)} per "
             f"device, bytes read + written",
-            f"host link: {_bytes(shapes.buffer)} per device copied to pinned host memory "
+            f"host link: {readable_bytes(shapes.buffer)} per device copied to pinned host memory "
             f"and back, {_rate(figures.host_bandwidth)}B/s each way",
             f"transpose: a {shapes.transpose_side}x{shapes.transpose_side} fp32 matrix, "
             f"{_rate(figures.transpose_bandwidth)}B/s read + written",
@@ -374,7 +375,8 @@ def _axis_notes(axis: str, size: int, link: Fit | None, fits: dict[str, Fit]) ->
     lines += [f"  {kind:<19} {_rate(fit.bandwidth) + 'B/s':>10} {fit.latency * 1e6:8.1f} us  "
               f"residual {fit.residual:.0%}" for kind, fit in fits.items()]
     sizes = sorted({b for fit in fits.values() for b, _ in fit.points})
-    lines.append(f"  {'us at B per device':<19}" + "".join(f"{_bytes(b):>9}" for b in sizes))
+    lines.append(f"  {'us at B per device':<19}"
+                 + "".join(f"{readable_bytes(b):>9}" for b in sizes))
     for kind, fit in fits.items():
         times = dict(fit.points)
         lines.append(f"  {kind:<19}" + "".join(
@@ -402,13 +404,6 @@ def _rate(value: float) -> str:
         if value >= factor:
             return f"{value / factor:.3g} {prefix}"
     return f"{value:.3g} "
-
-
-def _bytes(nbytes: float) -> str:
-    for factor, unit in ((MIB * 1024, "GiB"), (MIB, "MiB"), (KIB, "KiB")):
-        if nbytes >= factor:
-            return f"{nbytes / factor:g} {unit}"
-    return f"{nbytes:g} B"
 
 
 def _slug(text: str) -> str:

@@ -70,6 +70,7 @@ from spmd.analysis.hlo import (
     shape_bytes,
 )
 from spmd.analysis.reconcile import GpuView, gpu_collectives
+from spmd.units import readable_bytes
 
 __all__ = [
     "COLLECTIVE_KINDS",
@@ -82,7 +83,6 @@ __all__ = [
     "groups_to_mesh_axes",
     "memory_report",
     "parse_replica_groups",
-    "readable_bytes",
     "shape_bytes",
 ]
 
@@ -268,21 +268,6 @@ class Report:
         flops = "unknown" if self.flops is None else f"{self.flops:.4g}"
         console.print(f"flops per device: {flops}")
         return console.file.getvalue()
-
-
-def readable_bytes(n: float) -> str:
-    """``1.50 MiB``: binary units, two decimals.
-
-    >>> readable_bytes(512.0), readable_bytes(1.5 * 2**20)
-    ('512 B', '1.50 MiB')
-    """
-    if n < 1024:
-        return f"{n:.0f} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        n /= 1024
-        if n < 1024 or unit == "TiB":
-            return f"{n:.2f} {unit}"
-    raise AssertionError("unreachable")
 
 
 # ------------------------------------------------------------------------------ HLO text

@@ -30,7 +30,7 @@ import math
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from spmd.analysis.report import Report, analyze, readable_bytes
+from spmd.analysis.report import Report, analyze
 from spmd.api import plan, plan_manual, runnable
 from spmd.logical import user_pins
 from spmd.manual import DOES_NOT_APPLY, applicable_methods, manual_specs
@@ -40,6 +40,7 @@ from spmd.runtime.compile import prepare
 from spmd.search.predict import Prediction
 from spmd.stages.plan import PipelinePlan
 from spmd.trace.signature import StepSignature
+from spmd.units import readable_bytes
 
 __all__ = ["CRITERIA", "CompileCheck", "check_compiled", "compare", "describe", "describe_check",
            "judge", "memory_bytes"]

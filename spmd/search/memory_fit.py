@@ -35,7 +35,8 @@ import time
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 from spmd.cluster.mesh import DeviceMesh
-from spmd.errors import InfeasibleError, PlanError, format_bytes
+from spmd.errors import InfeasibleError, PlanError
+from spmd.units import readable_bytes
 from spmd.memory.offload import OffloadPlan, offload, offloadable, separate_host_memory
 from spmd.memory.remat import (POLICIES, RECOMPUTE_ALL, RematPlan, block_count, recomputable,
                                rematerialize)
@@ -136,7 +137,7 @@ def search_under(job: IntraOp, budget: float, options: SearchOptions,
             lowered = program_peak - (peak - budget)
         target = max(lowered, (infeasible + target) / 2)
     return None, (None if least is None
-                  else f"the least peak memory found is {format_bytes(least)}")
+                  else f"the least peak memory found is {readable_bytes(least, exact=True)}")
 
 
 def fit_memory(jaxpr, graph: Graph, inputs: Sequence[InputInfo], mesh: DeviceMesh, *,

@@ -44,7 +44,8 @@ from typing import Sequence
 
 import numpy as np
 
-from spmd.errors import InfeasibleError, SolverTimeoutError, format_bytes
+from spmd.errors import InfeasibleError, SolverTimeoutError
+from spmd.units import readable_bytes
 from spmd.options import SolverOptions
 from spmd.solver.cpsat import OutOfTime, Scaled, build, memory_unit, rescale, run
 from spmd.solver.local_search import local_search
@@ -233,8 +234,8 @@ def _explain_infeasible(r: SolverRequest, prob: Reduced, scaled: Scaled,
             "resharding pairs; some node has no compatible strategy with its neighbours")
     least = _least_peak(r, prob, scaled, options)
     raise InfeasibleError(
-        f"no plan fits the memory budget of {format_bytes(r.memory_budget)} per device: the "
-        f"least peak memory any assignment needs is {least}; rematerialize activations "
+        f"no plan fits the memory budget of {readable_bytes(r.memory_budget, exact=True)} "
+        f"per device: the least peak memory any assignment needs is {least}; rematerialize activations "
         f"(jax.checkpoint), or use more devices", least=least)
 
 
@@ -247,9 +248,9 @@ def _least_peak(r: SolverRequest, prob: Reduced, scaled: Scaled, options: Solver
         choice = built.read(solver)
         peak = memory_peak(r, choice)
         if status == cp_model.OPTIMAL:
-            return format_bytes(peak)
+            return readable_bytes(peak, exact=True)
         low = max(solver.BestObjectiveBound() - len(r.node_names), 0) * memory_unit(r)
-        return f"between {format_bytes(low)} and {format_bytes(peak)}"
+        return f"between {readable_bytes(low, exact=True)} and {readable_bytes(peak, exact=True)}"
     # Lower bound without the solver: each set with every node at its smallest value.
     low = max(sum(min(row) for _, row in r.set_terms(i)) for i in range(len(r.liveness)))
-    return f"at least {format_bytes(low)}"
+    return f"at least {readable_bytes(low, exact=True)}"
