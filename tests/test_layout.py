@@ -10,7 +10,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "spmd"
 
 #: each module may import only from its own layer or those before it
 LAYERS = [
-    {"spmd.errors", "spmd.sharding", "spmd.options", "spmd.timing", "spmd.dtypes"},
+    {"spmd.units", "spmd.errors", "spmd.sharding", "spmd.options", "spmd.timing", "spmd.dtypes"},
     {"spmd.cluster.hardware", "spmd.cluster.devices", "spmd.cluster.mesh",
      "spmd.cluster.distributed", "spmd.cluster.agree"},
     {"spmd.trace.graph", "spmd.trace.interpret", "spmd.trace.signature", "spmd.trace.layers",
