@@ -22,9 +22,9 @@ LAYERS = [
     {"spmd.profile"},  # measured figures for a mesh file, fitted to the cost model's formulas
     {"spmd.solver"},  # self-contained: errors and options only
     {"spmd.memory.liveness", "spmd.memory.remat", "spmd.memory.offload"},
-    {"spmd.search.fusion", "spmd.search.layout", "spmd.search.costgraph", "spmd.search.encode",
-     "spmd.search.predict", "spmd.search.intra_op", "spmd.search.regions",
-     "spmd.search.memory_fit"},
+    {"spmd.search.fusion", "spmd.search.layout", "spmd.search.roofline",
+     "spmd.search.costgraph", "spmd.search.encode", "spmd.search.predict",
+     "spmd.search.intra_op", "spmd.search.regions", "spmd.search.memory_fit"},
     {"spmd.stages.split", "spmd.stages.stack", "spmd.stages.schedule", "spmd.stages.price",
      "spmd.stages.dp"},  # the inter-op level
     {"spmd.plan", "spmd.explain", "spmd.logical", "spmd.manual", "spmd.stages.plan"},

@@ -193,6 +193,39 @@ def test_a_rated_op_takes_at_least_its_elements_at_its_kinds_rate(tmp_path):
         spmd.cluster.hardware.device_spec({**fields, "op_rates": {"reduce": -1}}, "device")
 
 
+def test_a_fused_kernel_takes_the_longer_of_its_flops_and_its_traffic_not_each_ops():
+    """An AdamW-like update is one kernel: its division and root are compute (rated slow, as
+    XLA:CPU runs them), its reads of p, m, v, g and writes of p, m, v are memory. The kernel
+    streams while it computes, so its ops together cost the longer of the two sums, each op
+    its share of it, not the sum of each op's longer term (which priced wresnet-tiny's
+    update on cpu-8 at 1.6x what it took)."""
+    device = spmd.cluster.hardware.device_spec(
+        {"peak_flops_bf16": 1e11, "peak_flops_fp32": 1e11, "memory_bytes": 2**30,
+         "memory_bandwidth": 1e10, "op_rates": {"divide": 1e9, "root": 1e9}})
+    mesh = make_mesh({"data": 1}, device=device)
+
+    def update(p, m, v, g):
+        m = 0.9 * m + 0.1 * g
+        v = 0.99 * v + 0.01 * g * g
+        return p - 1e-3 * m / (jnp.sqrt(v) + 1e-8), m, v
+
+    shape = (512, 512)
+    cg, _ = _cost_graph(update, [shape] * 4, mesh)
+    ops = [n for n in cg.graph.nodes if n.kind == "op"]
+    assert len({cg.fusion.kernel[n.id] for n in ops}) == 1
+    prices = [cg._price(n, cg.strats[n.id], False) for n in ops]
+    flops = sum(p.flop_time[0] for p in prices)
+    traffic = sum(p.traffic[0] for p in prices)
+    each_longer = sum(max(p.flop_time[0], p.traffic[0]) for p in prices)
+    array = np.prod(shape) * 4
+    assert traffic == pytest.approx(7 * array / 1e10)  # g read once, by three operands
+    assert flops == pytest.approx(2 * array / 4 / 1e9, rel=0.1)  # the division and root
+    assert traffic > flops and each_longer > 1.3 * traffic
+    assert sum(cg.compute[n.id][0] - cg.launch[n.id] for n in ops) == pytest.approx(traffic)
+    memory_bound = sum(cg.memory_bound[n.id][0] for n in ops)
+    assert memory_bound == pytest.approx(traffic - flops)
+
+
 def _slow_transposes(platform: str):
     """One device whose transposes run at a tenth of its copies (XLA:CPU's, roughly)."""
     device = spmd.cluster.hardware.device_spec(

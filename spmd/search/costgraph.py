@@ -3,10 +3,12 @@ pinned, so the search and every hand-written plan's scoring share it.
 
 For every node it holds the strategies (op nodes: the rules'; inputs: their free candidates;
 constants: replicated) and, per strategy, compute seconds and the communication the node
-itself does. Compute is a roofline per op: its FLOPs at the device's achievable rate (that of
-one of its matmuls' size, ``DeviceSpec.flops``) or the bytes its kernel reads and writes in
-device memory at the achievable bandwidth (``spmd.search.fusion`` says which ops share a
-kernel), whichever is longer, plus the per-kernel overhead once per kernel. Transposes move
+itself does. Compute is a roofline (``spmd.search.roofline``): an op's FLOPs at the device's
+achievable rate (that of one of its matmuls' size, ``DeviceSpec.flops``) against the bytes its
+kernel reads and writes for it in device memory at the achievable bandwidth
+(``spmd.search.fusion`` says which ops share a kernel): the longer of the two for an op alone
+in its kernel, the term that bounds a fused kernel for each of its ops; plus the per-kernel
+overhead once per kernel. Transposes move
 their bytes at the device's transpose bandwidth, and a matmul whose operand XLA reorders
 first (``spmd.search.layout``) pays that copy and its kernel too; a copy between host and
 device memory (``spmd.memory.offload``) moves its bytes at the device's host link. For every
@@ -66,6 +68,7 @@ from spmd.memory.offload import (destination, host_values, memory_copies,
                                  separate_host_memory)
 from spmd.search.fusion import REMAKING, constant_made, fuse, never_in_memory
 from spmd.search.layout import transposed_operands
+from spmd.search.roofline import Price, kernel_bounds
 from spmd.sharding import (Spec, all_specs, bytes_per_device, format_spec, is_valid, replicated,
                            shard_shape)
 from spmd.trace.graph import Graph, Node, Value, array_bytes
@@ -189,20 +192,25 @@ class CostGraph:
         #: of its operands), x ``Node.repeat``
         self.launch: list[float] = []
         overhead = mesh.device.kernel_overhead
-        memo: dict[tuple, tuple[list[_rules.Strategy], np.ndarray, np.ndarray, np.ndarray]] = {}
+        memo: dict[tuple, tuple[list[_rules.Strategy], Price]] = {}
+        prices: list[Price] = []
         for n in nodes:
             off = n.id in self.off_path
             key = (_op_key(n), off, self.fusion.key(n.id)) if n.kind == "op" else None
             if key is not None and key in memo:
-                ss, compute, comm, excess = memo[key]
+                ss, price = memo[key]
             else:
                 ss = self._strategies(n)
-                compute, comm, excess = self._price(n, ss, off)
+                price = self._price(n, ss, off)
                 if key is not None:
-                    memo[key] = (ss, compute, comm, excess)
+                    memo[key] = (ss, price)
+            self.strats.append(ss)
+            prices.append(price)
+        bounds = kernel_bounds(graph, self.fusion, prices)
+        for n, price in zip(nodes, prices):
+            compute, comm, excess = price.seconds(bounds.get(self.fusion.kernel[n.id]))
             kernels = (self.fusion.kernel[n.id] == n.id) + len(self._relayouts(n))
             launch = overhead * n.repeat * kernels
-            self.strats.append(ss)
             self.compute.append(compute * n.repeat + launch)
             self.comm.append(comm * n.repeat if n.repeat != 1 else comm)
             self.memory_bound.append(excess * n.repeat if n.repeat != 1 else excess)
@@ -243,21 +251,22 @@ class CostGraph:
             return [input_strategy(s) for s in all_specs(shape, self.mesh_shape, 2)]
         return _rules.strategies(n.op, self.ctx)
 
-    def _price(self, n: Node, ss: Sequence[_rules.Strategy], off_path: bool
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per strategy: compute seconds (a roofline: the op's FLOPs at the device's
-        achievable rate, or its memory traffic at its achievable bandwidth, whichever is
-        longer), communication seconds, and the part of compute that is memory-bound. An op
-        whose kind the device rates (``CostModel.op_rate``: a transcendental on XLA:CPU)
-        computes its elements at that rate; any other, its FLOPs at the matmul rate (an
-        elementwise op's FLOPs are its elements)."""
+    def _price(self, n: Node, ss: Sequence[_rules.Strategy], off_path: bool) -> Price:
+        """Per strategy: the seconds of the op's FLOPs at the device's achievable rate, of
+        its memory traffic at its achievable bandwidth (the roofline's two terms, which
+        ``Price.seconds`` weighs with its kernel's), of its operands' relayouts, and of its
+        collectives. An op whose kind the device rates (``CostModel.op_rate``: a
+        transcendental on XLA:CPU) computes its elements at that rate; any other, its FLOPs
+        at the matmul rate (an elementwise op's FLOPs are its elements). A copy between host
+        and device memory is all FLOP seconds: its link's."""
+        zeros = np.zeros(len(ss))
         if n.kind != "op":
-            return np.zeros(len(ss)), np.zeros(len(ss)), np.zeros(len(ss))
+            return Price(zeros, zeros, zeros, zeros)
         if destination(n.op) is not None:  # a copy between host and device memory
             moved = np.array([self.cost.host_copy_time(bytes_per_device(
                 n.op.out_shapes[0], n.op.out_dtypes[0], s.out_specs[0], self.mesh_shape))
                 for s in ss])
-            return moved, np.zeros(len(ss)), np.zeros(len(ss))
+            return Price(moved, zeros, zeros, zeros)
         dtype = op_dtype(n)
         conv = n.op.primitive == "conv_general_dilated"
         rate = self.cost.op_rate(n.op.primitive)
@@ -272,13 +281,12 @@ class CostGraph:
         relayouts = self._relayouts(n)
         relayout = np.array([self.cost.memory_time(self._relayout_bytes(n, s, relayouts), True)
                              for s in ss])
-        compute = np.maximum(flop_time, traffic) + relayout
         # Off the critical path XLA combines a kind's collectives into one: each pays its
         # bandwidth here, their shared latency once per plan (``charges``).
         comm = np.array([sum(self.cost.split(c)[0]
                              if off_path and self.cost.partitioner.combine_key(c)
                              else self.cost.time(c) for c in s.collectives) for s in ss])
-        return compute, comm, compute - flop_time
+        return Price(flop_time, traffic, relayout, comm)
 
     def _matmul_size(self, n: Node, s: _rules.Strategy) -> float | None:
         """FLOPs of one matmul an op runs on a device under ``s`` (a batched dot runs one per

@@ -78,7 +78,9 @@ class Fusion:
       kernel: per node, the id of the kernel it runs in (the id of the kernel's first node),
         or -1 (inputs, constants, scan boundary pseudo-ops: no kernel).
       reads: per node, per operand: whether the node reads it from device memory (its
-        producer is in another kernel, or is an input or constant).
+        producer is in another kernel, or is an input or constant, and no op of its kernel
+        before it, nor an earlier operand of its own, reads the same value: a kernel loads
+        each value once).
       writes: per node, per output: whether it is written to device memory (read by another
         kernel or a loop boundary, or a step output).
       launches: kernels the step runs, each counted once per iteration of the loops around it.
@@ -148,10 +150,15 @@ def fuse(graph: Graph) -> Fusion:
         launches_at[root] = max(launches_at.get(root, 0), n.repeat)
     reads: list[tuple[bool, ...]] = []
     read_outside: set[tuple[int, int]] = set()  # (node, output) read across a kernel's edge
+    loaded: set[tuple[int, int, int]] = set()  # (kernel, node, output) a kernel reads already
     for n in nodes:
-        row = tuple(v is not None and kernel[n.id] != -1 and kernel[v.node] != kernel[n.id]
-                    for v in n.operands)
-        reads.append(row)
+        row = []
+        for v in n.operands:  # a kernel reads a value once, however many of its ops use it
+            outside = v is not None and kernel[n.id] != -1 and kernel[v.node] != kernel[n.id]
+            row.append(outside and (kernel[n.id], v.node, v.index) not in loaded)
+            if outside:
+                loaded.add((kernel[n.id], v.node, v.index))
+        reads.append(tuple(row))
         for v in n.operands:
             if v is not None and (kernel[n.id] == -1 or kernel[v.node] != kernel[n.id]):
                 read_outside.add((v.node, v.index))
