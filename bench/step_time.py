@@ -18,7 +18,7 @@ step's outputs), timed the same way, so the wrapper's per-call Python work (flat
 NNX state, checking placements, writing the new state back) shows as the difference.
 Predicted is ``plan.prediction.total_time`` on the profiled mesh.
 
-    python bench/step_time.py                      # both parts (~12 min on 2 shared cores)
+    python bench/step_time.py                      # both parts (~8 min on 2 shared cores)
     python bench/step_time.py --quick              # a smoke run (~75 s): mlp-tiny, 3 steps
     python bench/step_time.py --report bench/results/step_time.json   # re-render only
 
@@ -78,7 +78,9 @@ PART_MODELS: dict[tuple[str, bool], tuple[str, ...]] = {
     ("cpu-8", False): ("gpt-tiny", "mlp-tiny", "mlp-small", "moe-tiny", "wresnet-tiny"),
     ("cpu-8", True): ("mlp-tiny",),  # 7 plans that compile in about a second each
 }
-DEFAULT_STEPS, QUICK_STEPS = 10, 3
+#: timed steps per plan: a plan's steps spread 10-25% (interquartile over median) on a shared
+#: 2-core host, and a model's plans often lie within 5% of each other
+DEFAULT_STEPS, QUICK_STEPS = 20, 3
 PART_TIMEOUT_S = 900.0
 
 
