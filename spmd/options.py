@@ -303,7 +303,8 @@ class SearchOptions:
         if not self.memory_headroom:
             return words
         return (f"{words} ({readable_bytes(stated, exact=True)} less the "
-                f"{self.memory_headroom:.0%} memory_headroom left for the memory prediction's error)")
+                f"{self.memory_headroom:.0%} memory_headroom left for the memory "
+                f"prediction's error)")
 
     def scoring(self) -> tuple[float, SolverOptions]:
         """The time limit and solver options for scoring one hand-written plan."""

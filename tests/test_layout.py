@@ -20,7 +20,7 @@ LAYERS = [
     {"spmd.cost.time"},
     {"spmd.kernel_timer"},  # ops timed in loops on every device at once
     {"spmd.profile"},  # measured figures for a mesh file, fitted to the cost model's formulas
-    {"spmd.solver"},  # self-contained: errors and options only
+    {"spmd.solver"},  # self-contained: errors, options and units only
     {"spmd.memory.liveness", "spmd.memory.remat", "spmd.memory.offload"},
     {"spmd.search.fusion", "spmd.search.layout", "spmd.search.roofline",
      "spmd.search.costgraph", "spmd.search.encode", "spmd.search.predict",

@@ -8,12 +8,11 @@ achievable rate (that of one of its matmuls' size, ``DeviceSpec.flops``) against
 kernel reads and writes for it in device memory at the achievable bandwidth
 (``spmd.search.fusion`` says which ops share a kernel): the longer of the two for an op alone
 in its kernel, the term that bounds a fused kernel for each of its ops; plus the per-kernel
-overhead once per kernel. Transposes move
-their bytes at the device's transpose bandwidth, and a matmul whose operand XLA reorders
-first (``spmd.search.layout``) pays that copy and its kernel too; a copy between host and
-device memory (``spmd.memory.offload``) moves its bytes at the device's host link. For every
-value it prices a reshard once per (value, target spec, loop level), as XLA's partitioner does it
-(``reshard_time``). ``spmd.search.encode`` lays these numbers out as the solver's request
+overhead once per kernel. Transposes move their bytes at the device's transpose bandwidth,
+and a matmul whose operand XLA reorders first (``spmd.search.layout``) pays that copy and its
+kernel too; a copy between host and device memory (``spmd.memory.offload``) moves its bytes
+at the device's host link. For every value it prices a reshard once per (value, target spec,
+loop level), as XLA's partitioner does it (``reshard_time``). ``spmd.search.encode`` lays these numbers out as the solver's request
 under one set of pins, ``spmd.search.predict`` evaluates the same numbers for the chosen
 plan: one pricing path.
 

@@ -45,13 +45,13 @@ from typing import Sequence
 import numpy as np
 
 from spmd.errors import InfeasibleError, SolverTimeoutError
-from spmd.units import readable_bytes
 from spmd.options import SolverOptions
 from spmd.solver.cpsat import OutOfTime, Scaled, build, memory_unit, rescale, run
 from spmd.solver.local_search import local_search
 from spmd.solver.min_sum import min_sum_seed
 from spmd.solver.request import (Reduced, SolverRequest, SolverResult, evaluate, memory_peak,
                                  reduce, validate)
+from spmd.units import readable_bytes
 
 __all__ = ["solve"]
 
@@ -235,8 +235,8 @@ def _explain_infeasible(r: SolverRequest, prob: Reduced, scaled: Scaled,
     least = _least_peak(r, prob, scaled, options)
     raise InfeasibleError(
         f"no plan fits the memory budget of {readable_bytes(r.memory_budget, exact=True)} "
-        f"per device: the least peak memory any assignment needs is {least}; rematerialize activations "
-        f"(jax.checkpoint), or use more devices", least=least)
+        f"per device: the least peak memory any assignment needs is {least}; rematerialize "
+        f"activations (jax.checkpoint), or use more devices", least=least)
 
 
 def _least_peak(r: SolverRequest, prob: Reduced, scaled: Scaled, options: SolverOptions) -> str:
