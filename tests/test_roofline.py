@@ -3,6 +3,8 @@ write, and how that memory traffic and the per-kernel overhead change prediction
 on small steps worked out by hand and on plain-JAX steps at realistic widths (abstract
 shapes on virtual A100 meshes)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,8 +15,8 @@ import spmd.cluster.hardware
 import spmd.cluster.mesh
 from spmd.cluster.mesh import make_mesh
 from spmd.search.costgraph import CostGraph, InputInfo
-from spmd.search.fusion import fuse
-from spmd.trace.graph import build_graph
+from spmd.search.fusion import folded_transposes, fuse
+from spmd.trace.graph import Value, build_graph
 
 S = jax.ShapeDtypeStruct
 A100_4 = make_mesh({"data": 4}, bandwidth=300e9, latency=5e-6, device="a100-40gb",
@@ -260,6 +262,43 @@ def test_a_transpose_moves_its_bytes_at_the_transpose_bandwidth():
                    _slow_transposes("cpu"))
     transpose, = _ops(cg.graph, "transpose")
     assert cg.compute[transpose.id][0] == pytest.approx(2 * x.size * 4 / 1e9 + 1e-6)
+
+
+def _contract_rows(a, b):
+    """a^T @ b as jax's transpose rule writes a weight gradient: contract both first dims."""
+    return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())))
+
+
+def test_a_transposed_matmul_result_is_the_matmul_with_its_operands_swapped():
+    """JAX writes a weight gradient as transpose(dot_general(dy, x)); XLA swaps the operands
+    and the matmul writes the transposed result itself (the compiled step has no transpose
+    or copy). So it costs what the swapped matmul costs, in one kernel, and the matmul's own
+    result is never in memory. A transpose of a result read twice, or of a batched result
+    that is no swap, stays a kernel of its own."""
+    x, dy = jnp.ones((256, 128)), jnp.ones((256, 64))
+    infos = [InputInfo(f"a{i}", a.shape, jnp.float32, "batch") for i, a in enumerate((x, dy))]
+    mesh = _slow_transposes("gpu")
+    folded = lambda x, dy: jnp.tanh(_contract_rows(dy, x).T)  # noqa: E731
+    swapped = lambda x, dy: jnp.tanh(_contract_rows(x, dy))  # noqa: E731
+    cg, plain = (CostGraph(_graph(f, x, dy), infos, mesh) for f in (folded, swapped))
+    transpose, = _ops(cg.graph, "transpose")
+    dot, = _ops(cg.graph, "dot_general")
+    assert transpose.id in cg.fusion.folded
+    assert cg.fusion.kernel[transpose.id] == cg.fusion.kernel[dot.id]
+    assert cg.fusion.launches == plain.fusion.launches == 2  # the matmul, then tanh's
+    total = lambda g: sum(g.compute[n.id][0] for n in g.graph.nodes if n.kind == "op")  # noqa: E731
+    assert total(cg) == pytest.approx(total(plain))
+    assert cg.liveness.fused[cg.liveness.position[Value(dot.id, 0)]]
+    compiled = jax.jit(folded).lower(x, dy).compile().as_text()
+    assert not re.search(r"= \S+ (transpose|copy)\(", compiled[compiled.index("ENTRY"):])
+
+    read_twice = _graph(lambda x, dy: (lambda y: jnp.tanh(y.T) + y.sum())(_contract_rows(dy, x)),
+                        x, dy)
+    a, b = jnp.ones((8, 64, 32)), jnp.ones((8, 32, 48))
+    not_a_swap = _graph(lambda a, b: jnp.transpose(a @ b, (1, 0, 2)), a, b)
+    batched_swap = _graph(lambda a, b: jnp.transpose(a @ b, (0, 2, 1)), a, b)
+    assert not folded_transposes(read_twice) and not folded_transposes(not_a_swap)
+    assert folded_transposes(batched_swap) == {_ops(batched_swap, "transpose")[0].id}
 
 
 # -- realistic widths: abstract shapes on a virtual 4 x A100 mesh --------------------------

@@ -8,7 +8,8 @@ achievable rate (that of one of its matmuls' size, ``DeviceSpec.flops``) against
 kernel reads and writes for it in device memory at the achievable bandwidth
 (``spmd.search.fusion`` says which ops share a kernel): the longer of the two for an op alone
 in its kernel, the term that bounds a fused kernel for each of its ops; plus the per-kernel
-overhead once per kernel. Transposes move their bytes at the device's transpose bandwidth,
+overhead once per kernel. Transposes move their bytes at the device's transpose bandwidth
+(one that XLA folds into the matmul making its operand moves none of its own),
 and a matmul whose operand XLA reorders first (``spmd.search.layout``) pays that copy and its
 kernel too; a copy between host and device memory (``spmd.memory.offload``) moves its bytes
 at the device's host link. For every value it prices a reshard once per (value, target spec,
@@ -274,7 +275,7 @@ class CostGraph:
         else:
             flop_time = np.array([self.cost.compute(s.flops, dtype, self._matmul_size(n, s),
                                                     conv) if s.flops else 0.0 for s in ss])
-        transpose = n.op.primitive == "transpose"
+        transpose = n.op.primitive == "transpose" and n.id not in self.fusion.folded
         traffic = np.array([self.cost.memory_time(self._traffic(n, s), transpose)
                             for s in ss])
         relayouts = self._relayouts(n)

@@ -23,6 +23,14 @@ components of such edges. Where XLA differs:
   and read again); here it is;
 * XLA:CPU runs a ``dot`` inside a loop fusion when its operands are small.
 
+A transpose that only reorders a matmul's result as the matmul with its operands swapped
+would make it (``dot_general``'s transpose rule writes every weight gradient ``x^T dy`` so)
+is no kernel: XLA's algebraic simplifier swaps the operands and the matmul writes the
+transposed result itself (``folded_transposes``; checked on XLA:CPU, jax 0.10.2: no
+transpose or copy is left; taken to hold on XLA:GPU too, where cuBLAS writes either order,
+not checked there). It joins the matmul's kernel here, so the matmul's own result is neither
+written nor held in memory.
+
 Scan boundary pseudo-ops (``scan_carry``, ``scan_slice``, ...) move no data of their own and
 launch nothing: their consumers read what they carry, their producers write it.
 """
@@ -40,8 +48,8 @@ from spmd.rules.random import KEY_OPS
 from spmd.rules.reduce import ARG_REDUCTIONS, REDUCTIONS
 from spmd.trace.graph import Graph, Value
 
-__all__ = ["DUPLICABLE", "FREE", "FUSIBLE", "REMAKING", "Fusion", "constant_made", "fuse",
-           "never_in_memory"]
+__all__ = ["DUPLICABLE", "FREE", "FUSIBLE", "REMAKING", "Fusion", "constant_made",
+           "folded_transposes", "fuse", "never_in_memory"]
 
 #: ops XLA merges with their neighbours into loop fusions
 FUSIBLE = frozenset(ELEMENTWISE) | frozenset(REDUCTIONS) | frozenset(ARG_REDUCTIONS) | {
@@ -84,12 +92,15 @@ class Fusion:
       writes: per node, per output: whether it is written to device memory (read by another
         kernel or a loop boundary, or a step output).
       launches: kernels the step runs, each counted once per iteration of the loops around it.
+      folded: transposes in the kernel of the matmul making their operand
+        (``folded_transposes``): they move no data of their own.
     """
 
     kernel: tuple[int, ...]
     reads: tuple[tuple[bool, ...], ...]
     writes: tuple[tuple[bool, ...], ...]
     launches: int
+    folded: frozenset[int] = frozenset()
 
     def key(self, node: int) -> tuple:
         """What of the fusion decides a node's traffic (part of its pricing memo's key)."""
@@ -134,9 +145,10 @@ def fuse(graph: Graph) -> Fusion:
                 and nodes[producer].repeat == nodes[consumer].repeat
                 and nodes[producer].scan == nodes[consumer].scan)
 
+    folded = folded_transposes(graph)
     for n in nodes:
         for v in n.operands:
-            if v is not None and inside(v.node, n.id):
+            if v is not None and (inside(v.node, n.id) or n.id in folded):
                 a, b = find(v.node), find(n.id)
                 parent[max(a, b)] = min(a, b)
     launches_at = {}
@@ -167,7 +179,33 @@ def fuse(graph: Graph) -> Fusion:
                                                  or (n.id, k) in outputs)
                          for k in range(len(n.op.out_shapes)))
                    for n in nodes)
-    return Fusion(tuple(kernel), tuple(reads), writes, sum(launches_at.values()))
+    return Fusion(tuple(kernel), tuple(reads), writes, sum(launches_at.values()),
+                  frozenset(folded))
+
+
+def folded_transposes(graph: Graph) -> set[int]:
+    """Transposes XLA folds into the matmul making their operand (module docstring): the
+    operand is a ``dot_general``'s result that nothing else reads, in the same loop body, and
+    the permutation keeps the batch dimensions and puts the rhs's free dimensions before
+    the lhs's, each in order: the result of the matmul with its operands swapped."""
+    nodes = graph.nodes
+    outputs = {v.node for v in graph.outputs if v is not None}
+    folded = set()
+    for n in nodes:
+        if n.kind != "op" or n.op.primitive != "transpose" or n.operands[0] is None:
+            continue
+        d = nodes[n.operands[0].node]
+        if (d.kind != "op" or d.op.primitive != "dot_general" or d.consumers != [n.id]
+                or d.id in outputs or (d.repeat, d.scan) != (n.repeat, n.scan)):
+            continue
+        (contract, _), (batch, _) = d.op.params["dimension_numbers"]
+        nb = len(batch)
+        nl = len(d.op.in_shapes[0]) - nb - len(contract)
+        rank = len(d.op.out_shapes[0])
+        swapped = (*range(nb), *range(nb + nl, rank), *range(nb, nb + nl))
+        if tuple(n.op.params["permutation"]) == swapped:
+            folded.add(n.id)
+    return folded
 
 
 def never_in_memory(graph: Graph, fusion: Fusion) -> frozenset[Value]:
@@ -184,9 +222,10 @@ def never_in_memory(graph: Graph, fusion: Fusion) -> frozenset[Value]:
     each reader's kernel (broadcasts and iotas are duplicated into their consumers); kept,
     they held 8 of the 34 GiB predicted per device for gpt-2.6b under FSDP on 64 A100s."""
     nodes = graph.nodes
-    # unfused[i]: how many ops among nodes[:i + 1] run in a kernel of their own
+    # unfused[i]: how many kernels of an op that fuses nothing begin among nodes[:i + 1]
+    # (a transpose folded into its matmul begins none)
     unfused = np.cumsum([n.kind == "op" and n.op.primitive not in FUSIBLE | FREE
-                         for n in nodes])
+                         and fusion.kernel[n.id] == n.id for n in nodes])
     last = graph.last_use()
     made = constant_made(graph)
     return frozenset(
