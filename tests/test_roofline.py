@@ -301,6 +301,44 @@ def test_a_transposed_matmul_result_is_the_matmul_with_its_operands_swapped():
     assert folded_transposes(batched_swap) == {_ops(batched_swap, "transpose")[0].id}
 
 
+def _residual_sums(x, gs, w):
+    """A residual stream summed over four layers by cheap ops, each layer's sum contracted
+    over its leading (batch, token) dimensions with ``w``, as a weight gradient is: XLA:CPU
+    transposes that operand before its matmul."""
+    h, grads = x, []
+    for g in gs:
+        h = h + 0.5 * g
+        grads.append(jax.lax.dot_general(h, w, (((0, 1), (0, 1)), ((), ()))))
+    return grads
+
+
+def test_a_transposed_operand_made_by_cheap_ops_is_remade_from_their_inputs_on_cpu():
+    """XLA:CPU fuses a matmul operand's transpose with the cheap ops making it, duplicated
+    for each reader: the k-th layer's transpose reads x and the k layer inputs (the compiled
+    step has a fusion of k + 1 operands before each matmul, and no fusion computing the
+    stream alone), all at the transpose bandwidth. The cost graph prices each relayout so.
+    Not on a GPU mesh: cuBLAS reads the operand as it is."""
+    x, w = jnp.ones((8, 32, 128)), jnp.ones((8, 32, 64))
+    gs = tuple(jnp.full(x.shape, float(k)) for k in range(4))
+    graph = _graph(_residual_sums, x, gs, w)
+    infos = [InputInfo(f"a{i}", a.shape, jnp.float32, "batch") for i, a in
+             enumerate((x, *gs, w))]
+    cg = CostGraph(graph, infos, _slow_transposes("cpu"))
+    dots = _ops(graph, "dot_general")
+    assert [cg.transposed_reads[d.operands[0]] for d in dots] == [2.0, 3.0, 4.0, 5.0]
+    bytes_x = x.size * 4
+    for reads, d in zip((2, 3, 4, 5), dots):  # written once, its cone's inputs read
+        relayout = (1 + reads) * bytes_x / 1e9 + 1e-6  # at 0.1 x 10 GB/s, and one launch
+        flops = 2 * x.size * 64 / 1e11
+        assert cg.compute[d.id][0] == pytest.approx(relayout + flops + 1e-6)
+    compiled = jax.jit(_residual_sums).lower(x, gs, w).compile().as_text()
+    entry = compiled[compiled.index("ENTRY"):]
+    fused = [line for line in entry.splitlines() if " fusion(" in line and "kLoop" in line]
+    assert sorted(line.split("fusion(")[1].split(")")[0].count("%") for line in fused) == [
+        2, 3, 4, 5]
+    assert not CostGraph(graph, infos, _slow_transposes("gpu")).transposed_reads
+
+
 # -- realistic widths: abstract shapes on a virtual 4 x A100 mesh --------------------------
 D, LAYERS, TOKENS = 4096, 4, 16384
 

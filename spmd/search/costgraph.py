@@ -66,7 +66,8 @@ from spmd.errors import PlanError
 from spmd.memory.liveness import Liveness
 from spmd.memory.offload import (destination, host_values, memory_copies,
                                  separate_host_memory)
-from spmd.search.fusion import REMAKING, constant_made, fuse, never_in_memory
+from spmd.search.fusion import (REMAKING, constant_made, fuse, never_in_memory,
+                                 transposed_reads)
 from spmd.search.layout import transposed_operands
 from spmd.search.roofline import Price, kernel_bounds
 from spmd.sharding import (Spec, all_specs, bytes_per_device, format_spec, is_valid, replicated,
@@ -184,6 +185,10 @@ class CostGraph:
         self.comm: list[np.ndarray] = []
         #: which ops run as one kernel: what each op reads and writes in device memory
         self.fusion = fuse(graph)
+        #: per value a transpose remakes on XLA:CPU, how many times its own bytes the
+        #: transpose reads (``transposed_reads``); 1 where absent
+        self.transposed_reads = (transposed_reads(graph, self.fusion)
+                                 if mesh.platform == "cpu" else {})
         #: per op node and strategy: the seconds its memory traffic adds beyond its FLOPs
         #: (the part of ``compute`` that is memory-bound), x ``Node.repeat``
         self.memory_bound: list[np.ndarray] = []
@@ -196,7 +201,9 @@ class CostGraph:
         prices: list[Price] = []
         for n in nodes:
             off = n.id in self.off_path
-            key = (_op_key(n), off, self.fusion.key(n.id)) if n.kind == "op" else None
+            key = ((_op_key(n), off, self.fusion.key(n.id),
+                    tuple(self.transposed_reads.get(v, 1.0) for v in n.operands))
+                   if n.kind == "op" else None)
             if key is not None and key in memo:
                 ss, price = memo[key]
             else:
@@ -309,9 +316,11 @@ class CostGraph:
 
     def _relayout_bytes(self, n: Node, s: _rules.Strategy, operands: Sequence[int]) -> float:
         """Bytes one device's transposes read and write for a matmul's reordered
-        ``operands`` (``_relayouts``) under ``s``, each read and written once."""
-        return sum(2.0 * bytes_per_device(n.op.in_shapes[k], n.op.in_dtypes[k], s.in_specs[k],
-                                          self.mesh_shape) for k in operands)
+        ``operands`` (``_relayouts``) under ``s``: each written once and read once, or
+        remade from what its cheap producers read (``transposed_reads``)."""
+        return sum((1.0 + self.transposed_reads.get(n.operands[k], 1.0)) * bytes_per_device(
+            n.op.in_shapes[k], n.op.in_dtypes[k], s.in_specs[k], self.mesh_shape)
+            for k in operands)
 
     def _traffic(self, n: Node, s: _rules.Strategy) -> float:
         """Bytes one device reads and writes in memory for an op under ``s``
@@ -323,8 +332,10 @@ class CostGraph:
                 bytes_per_device(shape, dtype, spec, self.mesh_shape))
                 for shape, dtype, spec in zip(shapes, dtypes, specs)]
 
-        return self.fusion.traffic(n.id, op.primitive,
-                                   local(op.in_shapes, op.in_dtypes, s.in_specs),
+        operands = local(op.in_shapes, op.in_dtypes, s.in_specs)
+        if op.primitive == "transpose" and n.operands[0] is not None:
+            operands[0] *= self.transposed_reads.get(n.operands[0], 1.0)
+        return self.fusion.traffic(n.id, op.primitive, operands,
                                    local(op.out_shapes, op.out_dtypes, s.out_specs))
 
     def tie_break(self, node: int, specs: Sequence[Spec]) -> np.ndarray:
