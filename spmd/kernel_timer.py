@@ -1,9 +1,11 @@
-"""Times ops on every device of a mesh at once, as a training step runs them: the loops
+"""Times ops on every device of a mesh at once, as a training step runs them: the programs
 ``spmd profile`` (``spmd.profile``) measures a device and its links with.
 
-Each op runs as a loop inside one jitted program, for 1 and for k iterations: the difference
-over k - 1 iterations is its time without the call's dispatch, as it runs inside a step.
-Every time is the median of repeats.
+Most ops run as a loop inside one jitted program, for 1 and for k iterations: the difference
+over k - 1 iterations is its time without the call's dispatch (``Timer.loop``). Matmuls and
+the per-kernel overhead are timed at a program's top level instead, as a step's kernels run,
+unrolled 1 and 1 + n times (``Timer.unrolled``): XLA:CPU runs a small matmul at the top
+level at up to twice its cost in a loop's body. Every time is the median of repeats.
 """
 
 from __future__ import annotations
@@ -22,8 +24,13 @@ __all__ = ["OP_CHAIN", "Timer"]
 #: the k-iteration run: 4 to 63 iterations more than the 1-iteration run it is compared
 #: with (enough that their noise does not dominate)
 _EXTRA_ITERATIONS = (4, 63)
-#: how many more kernels the long chain of ``Timer.overhead`` runs than the short one
+#: how many more matmuls the long program of ``Timer.matmul`` runs than the short one
 _CHAIN = 16
+#: the same for ``Timer.overhead``'s tiny matmuls (each a few hundred nanoseconds)
+_OVERHEAD_CHAIN = 64
+#: at least this many paired timings in ``Timer.unrolled``: a few kernels' difference
+#: between two calls of a program is small beside the calls' own jitter
+_UNROLLED_PAIRS = 15
 #: ops of one kind per element in ``Timer.op_rates``'s loop body (one fused kernel), so
 #: that their compute outweighs the kernel's read and write of the matrix
 OP_CHAIN = 8
@@ -90,14 +97,41 @@ class Timer:
                 break
         return seconds
 
+    def unrolled(self, body: Callable, operands: Sequence[tuple[tuple[int, ...], object]],
+                 extra: int) -> float:
+        """Seconds one more ``body(carry, *rest)`` adds to a program's top level on every
+        device at once: programs running it 1 and ``1 + extra`` times back to back, unrolled;
+        the median of paired differences over ``extra``. A step's kernels run at the top of
+        its program, and XLA:CPU runs small matmuls dearer there than inside a loop's body:
+        a 64x64 fp32 matmul took 6.2 us unrolled against 3.5 us in a loop (jax 0.10.2, 2
+        cores; 256x256: 180 against 171 us). A tiny one's overhead, 0.28 against 0.36 us,
+        is the same within the noise."""
+        import jax
+
+        def program(length: int) -> Callable:
+            def per_device(carry, *rest):
+                for _ in range(length):
+                    carry = body(carry, *rest)
+                return carry
+            return jax.jit(jax.shard_map(per_device, mesh=self.jmesh, out_specs=self.spec,
+                                         in_specs=(self.spec,) * len(operands),
+                                         check_vma=False))
+
+        arrays = [self._zeros(shape, dtype) for shape, dtype in operands]
+        short, long = program(1), program(1 + extra)
+        for fn in (short, long):
+            self._seconds(fn, *arrays)  # compiled and warm
+        pairs = max(3 * self.repeats, _UNROLLED_PAIRS)
+        return statistics.median(
+            (self._seconds(long, *arrays) - self._seconds(short, *arrays)) / extra
+            for _ in range(pairs))
+
     def matmul(self, side: int, dtype: str, overhead: float, batch: int = 1) -> float:
         """FLOP/s of a square matmul per device (``batch`` of them in one kernel), beyond
-        the kernel's ``overhead`` (priced apart): chains of 1 and 3 dependent matmuls, the
-        difference per matmul (a loop iteration cancels out)."""
+        the kernel's ``overhead`` (priced apart): dependent matmuls at a program's top level
+        (``unrolled``), as a step runs them."""
         square = [((batch, side, side) if batch > 1 else (side, side), dtype)] * 2
-        three, one = self.loop(_chain(3), square), self.loop(_chain(1), square)
-        # lost in noise: the chain of 3 alone, its loop iteration included
-        seconds = (three - one) / 2 if three > one else three / 3
+        seconds = self.unrolled(_matmul, square, _CHAIN)
         return _per_second(2.0 * batch * side**3, max(seconds - overhead, 0.5 * seconds),
                            f"{dtype} matmul")
 
@@ -181,11 +215,10 @@ class Timer:
         return rates
 
     def overhead(self) -> float:
-        """Seconds one more kernel adds to a program on every device: chains of 1 and of
-        ``1 + _CHAIN`` dependent 8x8 matmuls (each its own kernel, its work negligible) in a
-        loop; the difference per matmul (a dispatch or loop iteration cancels out)."""
-        tiny = [((8, 8), "float32")] * 2
-        return max(self.loop(_chain(1 + _CHAIN), tiny) - self.loop(_chain(1), tiny), 0.0) / _CHAIN
+        """Seconds one more kernel adds to a program on every device: dependent 8x8 matmuls
+        (each its own kernel, its work negligible) at the program's top level
+        (``unrolled``)."""
+        return max(self.unrolled(_matmul, [((8, 8), "float32")] * 2, _OVERHEAD_CHAIN), 0.0)
 
     def collective(self, kind: str, axis: str, nbytes: int) -> float:
         """Seconds of one ``kind`` over ``axis`` with ``nbytes`` per device (B as the cost
@@ -206,13 +239,9 @@ class Timer:
         return self.loop(bodies[kind], [((elements,), "float32")])
 
 
-def _chain(length: int) -> Callable:
-    """A loop body of ``length`` dependent matmuls (each its own kernel)."""
-    def body(y, w):
-        for _ in range(length):
-            y = y @ w
-        return y
-    return body
+def _matmul(y, w):
+    """One matmul of a chain: its result is the next one's operand."""
+    return y @ w
 
 
 def _per_second(work: float, seconds: float, what: str) -> float:
