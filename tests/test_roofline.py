@@ -238,11 +238,14 @@ def _slow_transposes(platform: str):
 
 @pytest.mark.parametrize("platform", ["cpu", "gpu"])
 def test_a_weight_gradient_dot_pays_for_transposing_its_operand_on_cpu_only(platform):
-    """x^T @ dy contracts x's first dimension: XLA:CPU copies x transposed first (a kernel
-    moving its bytes at the transpose bandwidth); cuBLAS takes it as it is."""
-    x, dy = jnp.ones((256, 128)), jnp.ones((256, 64))
+    """x^T @ dy over (batch, token) contracts x's first two dimensions: XLA:CPU copies x
+    transposed first (a kernel moving its bytes at the transpose bandwidth; a copy fusion
+    in its compiled HLO); cuBLAS takes it as it is. A 2-D x^T @ dy is one Eigen ``dot``
+    reading x transposed on XLA:CPU too: no copy, none priced."""
+    x, dy = jnp.ones((8, 32, 128)), jnp.ones((8, 32, 64))
     mesh = _slow_transposes(platform)
-    cg = CostGraph(_graph(lambda x, dy: jnp.einsum("tx,ty->xy", x, dy), x, dy),
+    gradient = lambda x, dy: jnp.einsum("btx,bty->xy", x, dy)  # noqa: E731
+    cg = CostGraph(_graph(gradient, x, dy),
                    [InputInfo(f"a{i}", a.shape, jnp.float32, "batch") for i, a in
                     enumerate((x, dy))], mesh)
     dot, = _ops(cg.graph, "dot_general")
@@ -254,6 +257,17 @@ def test_a_weight_gradient_dot_pays_for_transposing_its_operand_on_cpu_only(plat
     assert cg.compute[dot.id][0] == pytest.approx(roofline + relayout + kernels * 1e-6)
     assert cg.memory_bound[dot.id][0] == pytest.approx(cg.compute[dot.id][0] - cg.launch[dot.id]
                                                        - strategy.flops / 1e11)
+    if platform == "cpu":
+        x2, dy2 = x.reshape(256, 128), dy.reshape(256, 64)
+        matrix = CostGraph(_graph(_contract_rows, x2, dy2),
+                           [InputInfo(f"a{i}", a.shape, jnp.float32, "batch") for i, a in
+                            enumerate((x2, dy2))], mesh)
+        assert matrix.launch[_ops(matrix.graph, "dot_general")[0].id] == pytest.approx(1e-6)
+        copies = lambda f, *a: re.findall(  # noqa: E731
+            r"= \S+ (?:copy|transpose)\(|%\w*(?:copy|transpose)\w*(?:\.\d+)? = \S+ fusion",
+            (lambda t: t[t.index("ENTRY"):])(jax.jit(f).lower(*a).compile().as_text()))
+        assert copies(gradient, x, dy)
+        assert not copies(_contract_rows, x2, dy2)
 
 
 def test_a_transpose_moves_its_bytes_at_the_transpose_bandwidth():

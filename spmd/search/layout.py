@@ -7,11 +7,14 @@ matmul libraries XLA calls take only a few orders, and layout assignment inserts
 * **XLA:GPU** (cuBLAS/cuBLASLt): batch dimensions leading, in the order they pair with the
   other operand's; after them the contracting and the free dimensions each contiguous, in
   either order (the library transposes a matrix for free).
-* **XLA:CPU** (YNNPACK, Eigen): the same, except that the left operand must be
-  ``[batch, free, contracting]``: one with its contracting dimensions first (a weight
-  gradient, ``x^T @ dy``) is transposed. Seen in XLA:CPU's compiled HLO and its profile
-  (jax 0.10.2): such operands get a ``copy``/``transpose`` fusion before the ``ynn_fusion``
-  or ``dot``, as do attention's dots whose batch dimensions are not leading.
+* **XLA:CPU** (YNNPACK, Eigen): the same, except that a left operand with its contracting
+  dimensions first is transposed unless it is a matrix (one contracting and at most one
+  free dimension, after the batch), which Eigen's ``dot`` reads transposed. A weight
+  gradient of a 2-D activation, ``x^T @ dy``, needs no copy; one of a (batch, token,
+  feature) activation, contracting two dimensions, does. Seen in XLA:CPU's compiled HLO
+  (jax 0.10.2): such operands get a ``copy``/``transpose`` fusion before the
+  ``ynn_fusion``, as do attention's dots whose batch dimensions are not leading; a 2-D
+  ``x^T @ dy`` compiles to one ``dot`` with ``lhs_contracting_dims={0}``.
 
 Dimensions of size 1 are placed anywhere (the copy would be a bitcast). The rule knows
 nothing of layouts chosen elsewhere (an operand XLA already keeps transposed), so it can
@@ -21,6 +24,9 @@ parameter still read after its update).
 >>> transposed_operands((4, 8), (8, 16), (((1,), (0,)), ((), ())), "cpu")  # x @ w
 ()
 >>> transposed_operands((8, 4), (8, 16), (((0,), (0,)), ((), ())), "cpu")  # x^T @ dy
+()
+>>> # x[b, t, e]^T @ dy[b, t, f]: contracting (b, t) first
+>>> transposed_operands((2, 8, 4), (2, 8, 16), (((0, 1), (0, 1)), ((), ())), "cpu")
 (0,)
 >>> transposed_operands((8, 4), (8, 16), (((0,), (0,)), ((), ())), "gpu")
 ()
@@ -43,7 +49,15 @@ def transposed_operands(lhs: Sequence[int], rhs: Sequence[int], dimension_number
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
     return tuple(k for k, (shape, contract, batch) in enumerate(
         ((lhs, lhs_contract, lhs_batch), (rhs, rhs_contract, rhs_batch)))
-        if not _in_order(shape, contract, batch, free_first_only=platform == "cpu" and k == 0))
+        if not _in_order(shape, contract, batch, free_first_only=platform == "cpu" and k == 0
+                         and not _matrix(shape, contract, batch)))
+
+
+def _matrix(shape: Sequence[int], contract: Sequence[int], batch: Sequence[int]) -> bool:
+    """Whether an operand is, beside its batch dimensions, a matrix: one contracting and at
+    most one free dimension of size above 1."""
+    big = [d for d in range(len(shape)) if shape[d] != 1 and d not in batch]
+    return sum(d in contract for d in big) == 1 and len(big) <= 2
 
 
 def _in_order(shape: Sequence[int], contract: Sequence[int], batch: Sequence[int],
