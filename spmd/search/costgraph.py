@@ -187,8 +187,7 @@ class CostGraph:
         self.fusion = fuse(graph)
         #: per value a transpose remakes on XLA:CPU, how many times its own bytes the
         #: transpose reads (``transposed_reads``); 1 where absent
-        self.transposed_reads = (transposed_reads(graph, self.fusion)
-                                 if mesh.platform == "cpu" else {})
+        self.transposed_reads = transposed_reads(graph, self.fusion, mesh.platform)
         #: per op node and strategy: the seconds its memory traffic adds beyond its FLOPs
         #: (the part of ``compute`` that is memory-bound), x ``Node.repeat``
         self.memory_bound: list[np.ndarray] = []

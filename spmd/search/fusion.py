@@ -238,18 +238,22 @@ def never_in_memory(graph: Graph, fusion: Fusion) -> frozenset[Value]:
         or (not written and unfused[min(last[n.id], len(nodes) - 1)] == unfused[n.id]))
 
 
-def transposed_reads(graph: Graph, fusion: Fusion) -> dict[Value, float]:
-    """On XLA:CPU, per value a transpose reads (a transpose op's operand, a matmul operand
-    XLA reorders first: ``spmd.search.layout``) and made by a cheap op (``DUPLICABLE``):
-    how many times its own bytes the transpose's kernel reads. XLA:CPU fuses a transpose
-    with the cheap ops producing its operand, duplicated when the operand has other readers,
-    and its kernel then reads every input of that cone of cheap producers (in their loop
-    body), each once, in the transposed order, at the transpose's bandwidth. A layer's
-    input gradient runs down the residual stream, so the transpose before a backward
-    matmul remakes every layer's residual sum above it: in a GPT of 4 layers of width 256
-    on one CPU device, six such fusions of 27 to 73 operands took 11 ms of a profiled step
-    (62 ms without the profiler), where the cost model had one 256 KiB transpose each. Values made by other ops
-    are not in the result: a kernel reads them themselves."""
+def transposed_reads(graph: Graph, fusion: Fusion, platform: str) -> dict[Value, float]:
+    """On XLA:CPU (empty on any other ``platform``), per value a transpose reads (a
+    transpose op's operand, a matmul operand XLA reorders first: ``spmd.search.layout``)
+    and made by a cheap op (``DUPLICABLE``): how many times its own bytes the transpose's
+    kernel reads. XLA:CPU fuses a transpose with the cheap ops producing its operand,
+    duplicated when the operand has other readers, and its kernel then reads every input
+    of that cone of cheap producers (in their loop body), each once, in the transposed
+    order, at the transpose's bandwidth. A layer's input gradient runs down the residual
+    stream, so the transpose before a backward matmul remakes every layer's residual sum
+    above it: in a GPT of 4 layers of width 256 on one CPU device, six such fusions of 27
+    to 73 operands took 11 ms of a profiled step (62 ms without the profiler), where the
+    cost model had one 256 KiB transpose each. Values made by other ops are not in the
+    result: a kernel reads them themselves. XLA:GPU's transposes and its fusion's
+    duplication were not checked."""
+    if platform != "cpu":
+        return {}
     nodes = graph.nodes
 
     def cheap(i: int, body: tuple[int, int]) -> bool:
@@ -265,7 +269,7 @@ def transposed_reads(graph: Graph, fusion: Fusion) -> dict[Value, float]:
             transposed.add(n.operands[0])
         if n.op.primitive == "dot_general":
             transposed.update(n.operands[k] for k in transposed_operands(
-                *n.op.in_shapes[:2], n.op.params["dimension_numbers"], "cpu"))
+                *n.op.in_shapes[:2], n.op.params["dimension_numbers"], platform))
     out: dict[Value, float] = {}
     for v in transposed - {None}:
         body = (nodes[v.node].repeat, nodes[v.node].scan)
