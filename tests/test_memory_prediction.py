@@ -70,6 +70,26 @@ def test_a_scored_hand_written_plan_runs_as_scored():
     assert bare.prediction is None and not bare.constraints
 
 
+def test_cpu_compiles_copy_donated_state_only_where_it_is_read_after_its_update(monkeypatch):
+    """``prepare`` compiles on CPU devices with copy insertion by region analysis
+    (``backend_options``): XLA:CPU's default analysis copies donated state whose old value
+    an op reads that is not data-ordered before the update (wresnet-tiny's zero on cpu-8:
+    compiled 3.99 MiB, predicted 2.81, 0.70; with it 3.36 MiB, 0.84, bench/memory.py)."""
+    from spmd.runtime import compile as runtime_compile
+
+    spec = zoo.get("wresnet-tiny")
+    mesh = spmd.load_mesh("cpu-8")
+    args = (*nnx.eval_shape(spec.training_state), spec.batch(spec.default_batch_size))
+    plan = spmd.plan(spec.train_step, *args, mesh=mesh, method="zero",
+                     options=spmd.SearchOptions(cache=False, compare=True))
+    assert runtime_compile.backend_options() == {
+        "xla_cpu_copy_insertion_use_region_analysis": True}
+    by_region = runtime_compile.prepare(plan).compile().memory_analysis().temp_size_in_bytes
+    monkeypatch.setattr(runtime_compile, "backend_options", lambda: {})
+    default = runtime_compile.prepare(plan).compile().memory_analysis().temp_size_in_bytes
+    assert by_region < default, (by_region, default)
+
+
 def _fused(fn, *args) -> set[str]:
     from spmd.search.costgraph import CostGraph, InputInfo
     from spmd.cluster.mesh import make_mesh
