@@ -3,6 +3,8 @@ and the buffers a plan adds beside the graph's values (``spmd.memory.liveness.Bu
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -82,10 +84,13 @@ def test_cpu_compiles_copy_donated_state_only_where_it_is_read_after_its_update(
     args = (*nnx.eval_shape(spec.training_state), spec.batch(spec.default_batch_size))
     plan = spmd.plan(spec.train_step, *args, mesh=mesh, method="zero",
                      options=spmd.SearchOptions(cache=False, compare=True))
-    assert runtime_compile.backend_options() == {
+    assert runtime_compile.backend_options(mesh) == {
         "xla_cpu_copy_insertion_use_region_analysis": True}
+    gpus = spmd.load_mesh("a100-8", virtual=True)
+    assert runtime_compile.backend_options(gpus)  # compiled on simulated CPU devices
+    assert not runtime_compile.backend_options(dataclasses.replace(gpus, virtual=False))
     by_region = runtime_compile.prepare(plan).compile().memory_analysis().temp_size_in_bytes
-    monkeypatch.setattr(runtime_compile, "backend_options", lambda: {})
+    monkeypatch.setattr(runtime_compile, "backend_options", lambda mesh: {})
     default = runtime_compile.prepare(plan).compile().memory_analysis().temp_size_in_bytes
     assert by_region < default, (by_region, default)
 

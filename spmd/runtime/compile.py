@@ -87,18 +87,20 @@ def prepare(plan: Plan, donate: bool | None = None,
     if plan.constraints or plan.rewritten:
         run = constrained(plan.program(), plan.constraints, plan.mesh.sharding_mesh())
         fn = lambda *flat: tuple(run(*flat))  # noqa: E731 (jit wants a tuple)
-    return jit_step(plan, fn, donate, {**backend_options(), **(compiler_options or {})})
+    return jit_step(plan, fn, donate,
+                    {**backend_options(plan.mesh), **(compiler_options or {})})
 
 
-def backend_options() -> dict[str, Any]:
-    """Per-compile XLA options for the devices of this process. On CPU devices: copy
-    insertion by region analysis, which leaves out copies of donated parameters that its
+def backend_options(mesh: DeviceMesh) -> dict[str, Any]:
+    """Per-compile XLA options for the devices ``mesh`` compiles on. On CPU devices (a CPU
+    mesh, or any virtual one, compiled on simulated CPU devices): copy insertion by region
+    analysis, which leaves out copies of donated parameters that its
     default analysis makes where an op that reads the old value is not ordered before the
     update (gpt-13b on 8 simulated devices: each MLP weight copied once, 1.1 GiB of
     temporaries, without it). An XLA:CPU option: other platforms' compiles are left as
     they are."""
-    return ({"xla_cpu_copy_insertion_use_region_analysis": True}
-            if jax.default_backend() == "cpu" else {})
+    on_cpu = mesh.virtual or mesh.platform == "cpu"
+    return {"xla_cpu_copy_insertion_use_region_analysis": True} if on_cpu else {}
 
 
 def jit_region(plan: RegionPlan, mesh: DeviceMesh):
