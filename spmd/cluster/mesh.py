@@ -162,6 +162,12 @@ class DeviceMesh:
         return AbstractMesh(self.axis_sizes, self.axis_names,
                             axis_types=(AxisType.Auto,) * len(self.axis_names))
 
+    @property
+    def compile_backend(self) -> str:
+        """The jax backend this mesh's programs compile on: a virtual mesh's on simulated CPU
+        devices (compile-only checks), a real one's on its platform's."""
+        return "cpu" if self.virtual else self.platform
+
     def jax_mesh(self):
         """The concrete jax Mesh over the devices of this process group (Auto axis types).
 
@@ -171,7 +177,7 @@ class DeviceMesh:
         import jax
         from jax.sharding import AxisType
 
-        backend = "cpu" if self.virtual else self.platform
+        backend = self.compile_backend
         try:
             devices = jax.devices(backend)
         except RuntimeError:
