@@ -110,18 +110,38 @@ def test_activations_dominate_gives_data_parallel():
 
 
 def test_objective_prices_combined_gradient_all_reduces_as_predicted():
-    """Data parallel: the two weight gradients' all-reduces are independent, XLA combines
-    them and pays one latency (100 us here, the dominant cost). The solver's objective must
-    price that shared latency as the prediction does (it once paid bandwidth only: the
-    objective under the prediction by the latency, so latency-bound plans looked cheap)."""
+    """Data parallel on a GPU mesh: the two weight gradients' all-reduces (and the loss's)
+    are independent, XLA combines them into one op, which XLA:GPU runs as one call paying one
+    latency (100 us here, the dominant cost). The solver's objective must price that shared
+    latency as the prediction does (it once paid bandwidth only: the objective under the
+    prediction by the latency, so latency-bound plans looked cheap)."""
     args = _mlp(4096, 16, 16)
-    mesh = make_mesh({"data": 8}, bandwidth=50e9, latency=1e-4, virtual=True)
+    mesh = make_mesh({"data": 8}, bandwidth=50e9, latency=1e-4, platform="gpu", virtual=True)
     cj = jax.make_jaxpr(_sgd_step)(*args)
     infos = _infos(args, ["param", "param", "batch", "batch"])
     res = search(cj, infos, mesh, output_aliases={0: 0, 1: 1})
     assert res.input_specs[2] == (("data",), ())
-    assert res.prediction.collectives["all-reduce"][0] >= 1
+    assert res.prediction.collectives["all-reduce"][0] == 1
+    assert 1e-4 <= res.prediction.comm_time < 1.1e-4
     assert res.solver.objective == pytest.approx(res.prediction.total_time, rel=1e-3)
+
+
+def test_cpu_combined_all_reduce_pays_a_latency_per_operand():
+    """XLA:CPU combines the same all-reduces into one op too, but runs it one rendezvous of
+    the device threads per operand: the data-parallel plan pays three latencies (two weight
+    gradients and the loss), and the search prices every plan so."""
+    args = _mlp(4096, 16, 16)
+    mesh = make_mesh({"data": 8}, bandwidth=50e9, latency=1e-4, virtual=True)
+    assert mesh.platform == "cpu"
+    cj = jax.make_jaxpr(_sgd_step)(*args)
+    infos = _infos(args, ["param", "param", "batch", "batch"])
+    dp = score(cj, infos, mesh, [replicated(2), replicated(2), (("data",), ()), (("data",), ())],
+               output_aliases={0: 0, 1: 1})
+    assert dp.collectives["all-reduce"][0] == 1  # still one op in the HLO
+    assert 3e-4 <= dp.comm_time < 3.1e-4
+    res = search(cj, infos, mesh, output_aliases={0: 0, 1: 1})
+    assert res.solver.objective == pytest.approx(res.prediction.total_time, rel=1e-3)
+    assert res.prediction.total_time <= dp.total_time * (1 + 1e-6)
 
 
 def test_two_dimensional_mesh_batch_on_data_weights_on_model():

@@ -56,7 +56,13 @@ def test_a_scored_hand_written_plan_runs_as_scored():
     (XLA's propagation from the input and output shardings alone compiles 47 all-gathers and
     26 all-reduces instead); unscored, it has no constraints to run under. Scored with 2 s
     (not the default 0.5): with less, on a loaded machine, the score's intermediates varied
-    and one choice compiled 30 all-gathers where 29 were predicted (3 of 5 runs on Dec 4)."""
+    and one choice compiled 30 all-gathers where 29 were predicted (3 of 5 runs on Dec 4).
+    All-reduces: the bytes are as predicted; the count can be lower, as XLA also combines
+    independent all-reduces on the critical path (a layer norm's two statistics), where
+    the prediction combines only those no matmul depends on (36 compiled for 46 predicted,
+    Dec 6, once CPU all-reduces were priced a latency per operand and the score's
+    intermediates moved; the time is unaffected on XLA:CPU, which runs a combined
+    all-reduce operand by operand)."""
     spec = zoo.get("moe-tiny")
     mesh = spmd.load_mesh("cpu-8")
     args = (*nnx.eval_shape(spec.training_state), spec.batch(spec.default_batch_size))
@@ -66,7 +72,10 @@ def test_a_scored_hand_written_plan_runs_as_scored():
     plan = step.plan
     assert plan.constraints
     predicted = {k: c for k, (c, _) in plan.prediction.collectives.items() if c}
-    assert {k: c for k, (c, _) in compiled["collectives"].items() if c} == predicted
+    got = {k: c for k, (c, _) in compiled["collectives"].items() if c}
+    assert got.pop("all-reduce") <= predicted.pop("all-reduce")
+    assert got == predicted
+    assert compiled["collectives"]["all-reduce"][1] == plan.prediction.collectives["all-reduce"][1]
     bare = spmd.plan(spec.train_step, *args, mesh=mesh, method="fsdp",
                      options=spmd.SearchOptions(cache=False, compare=False))
     assert bare.prediction is None and not bare.constraints

@@ -137,8 +137,10 @@ def test_a_budget_not_even_full_remat_meets_names_the_least_memory():
 
 
 def test_an_nnx_model_under_a_budget_recomputes_some_of_its_blocks():
-    """gpt-tiny grown to 4 blocks on cpu-8, under 0.8 x the plain plan's peak: some blocks
-    are recomputed, not all; the compiled step fits and matches a single device. (Before
+    """gpt-tiny grown to 4 blocks on cpu-8, under 0.9 x the plain plan's peak: some blocks
+    are recomputed, not all; the compiled step fits and matches a single device. (Under
+    0.8 x, since CPU all-reduces are priced a latency per operand, the cheapest fit saves
+    only the matmul outputs of all four blocks. Before
     offload was known to save nothing on XLA:CPU, the search sometimes recomputed 2 blocks
     and offloaded the optimizer state, predicted 12% under what then compiled.)"""
     from flax import nnx
@@ -151,7 +153,7 @@ def test_an_nnx_model_under_a_budget_recomputes_some_of_its_blocks():
     abstract = (*nnx.eval_shape(spec.training_state), spec.batch(16))
     options = spmd.SearchOptions(cache=False, compare=False, time_limit=4.0)
     plain = spmd.plan(spec.train_step, *abstract, mesh=mesh, options=options)
-    budget = 0.8 * plain.prediction.memory_bytes
+    budget = 0.9 * plain.prediction.memory_bytes
     step = spmd.parallelize(spec.train_step, mesh=mesh,
                             options=dataclasses.replace(options, memory_budget=budget))
     model, opt = spec.training_state()

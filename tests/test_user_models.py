@@ -81,7 +81,10 @@ def test_nnx_lm_with_dropout_matches_one_device(mesh, method):
     plan = _nnx_matches_one_device(ex.nnx_lm_state, ex.nnx_lm_step, ex.lm_batch(), mesh, method,
                                    FAST)
     split = {leaf.kind for leaf, spec in zip(plan.leaves, plan.input_specs) if any(spec)}
-    assert "batch" in split or method == "tp"
+    # auto splits something; whether the batch too is its call (on this CPU mesh it keeps
+    # the batch whole, sparing XLA:CPU's all-reduce a latency per gradient): zero and
+    # fsdp_tp split the batch under dropout
+    assert split if method == "auto" else ("batch" in split or method == "tp")
     if method not in ("auto", "dp"):  # the method's rules reach the model's own names
         assert "optimizer" in split and ("param" in split) == (method != "zero")
 

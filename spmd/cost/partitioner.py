@@ -17,7 +17,9 @@ reads a CPU compile of a GPU plan back into XLA:GPU's collectives, so the check 
 **Combining.** XLA's combiner passes (AllReduceCombiner, ReduceScatterCombiner) merge
 collectives of one kind over the same devices when none depends on another: the per-parameter
 gradient all-reduces of a train step become one or two (38 -> 2 on gpt-tiny).
-``Partitioner.combine_key`` names the group a collective merges into (``COMBINED_KINDS``).
+``Partitioner.combine_key`` names the group a collective merges into (``COMBINED_KINDS``):
+one HLO op, whose members share one latency on XLA:GPU but not on XLA:CPU, which runs it
+operand by operand (``CostModel.latency_group``).
 XLA:GPU merges only up to ``combine_threshold`` bytes of operands into one (its default,
 30 MiB): a large model's gradients go in many groups, each waiting only for its own
 members, where XLA:CPU's single group holds every partial gradient until the last.
@@ -59,7 +61,7 @@ from spmd.sharding import Spec
 __all__ = ["COLLECTIVE_KINDS", "COMBINED_KINDS", "Collective", "Partitioner"]
 
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-#: kinds XLA combines when independent (one latency per kind and axes)
+#: kinds XLA combines into one op when independent (one per kind and axes)
 COMBINED_KINDS = ("all-reduce", "reduce-scatter")
 #: operand bytes per device XLA:GPU combines into one collective at most
 #: (``kDefault{AllReduce,ReduceScatter}CombineThreshold``)
@@ -115,8 +117,8 @@ class Partitioner:
         return math.prod(self._sizes[a] for a in axes)
 
     def combine_key(self, c: Collective) -> tuple[str, tuple[str, ...]] | None:
-        """The group XLA merges ``c`` into when it is independent of others of its group
-        (one latency per group), or None for a kind that is never combined."""
+        """The group (one HLO op) XLA merges ``c`` into when it is independent of others of
+        its group, or None for a kind that is never combined."""
         return (c.kind, self.active(c.axes)) if c.kind in COMBINED_KINDS else None
 
     # -- partial sums -----------------------------------------------------------------------

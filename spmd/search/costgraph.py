@@ -288,9 +288,10 @@ class CostGraph:
         relayout = np.array([self.cost.memory_time(self._relayout_bytes(n, s, relayouts), True)
                              for s in ss])
         # Off the critical path XLA combines a kind's collectives into one: each pays its
-        # bandwidth here, their shared latency once per plan (``charges``).
+        # bandwidth here and, where the platform runs the combined op as one call, their
+        # shared latency once per plan (``charges``; ``CostModel.latency_group``).
         comm = np.array([sum(self.cost.split(c)[0]
-                             if off_path and self.cost.partitioner.combine_key(c)
+                             if off_path and self.cost.latency_group(c)
                              else self.cost.time(c) for c in s.collectives) for s in ss])
         return Price(flop_time, traffic, relayout, comm)
 
@@ -574,9 +575,9 @@ class CostGraph:
 
     # -- shared latencies ----------------------------------------------------------------
     def _shared_latency(self) -> list[tuple[float, list[tuple[int, int]]]]:
-        """One charge per (kind, mesh axes) of the collectives XLA combines off the critical
-        path: their latency, paid once by the plan if any chosen strategy emits one (node
-        costs carry only their bandwidth), as the prediction prices them. Members are
+        """One charge per group of collectives XLA runs as one call off the critical path
+        (``CostModel.latency_group``): its latency, paid once by the plan if any chosen
+        strategy emits one (node costs carry only their bandwidth), as predicted. Members are
         (root node, root strategy)."""
         members: dict[tuple[str, tuple[str, ...]], set[tuple[int, int]]] = \
             collections.defaultdict(set)
@@ -585,7 +586,7 @@ class CostGraph:
             root = self.root[node]
             for k, j in enumerate(self.fmap[node].tolist()):
                 for c in self.strats[node][j].collectives:
-                    key, lat = self.cost.partitioner.combine_key(c), self.cost.latency(c)
+                    key, lat = self.cost.latency_group(c), self.cost.latency(c)
                     if key is not None and lat > 0:
                         members[key].add((root, k))
                         latency[key] = lat
