@@ -335,11 +335,13 @@ def render(data: dict[str, Any]) -> str:
         lines += ["", "Cases that failed:", "", *failures]
     if notes:
         lines += ["", "Notes:", "", *notes]
-    lines += ["", "On CPU XLA emits no reduce-scatter (it all-reduces and slices). The cost model "
-              "prices that for every mesh compiled here, virtual GPU meshes included (so "
-              "predicted and HLO bytes can be compared), but it means a plan that shards "
-              "gradients (ZeRO-like) moves about twice the bytes here that it would on GPUs, "
-              "where a reduce-scatter plus an all-gather move what one all-reduce does."]
+    lines += ["", "Each mesh is priced with its own platform's collectives. On the CPU meshes "
+              "XLA:CPU all-reduces and slices where XLA:GPU reduce-scatters, and runs a "
+              "combined all-reduce one rendezvous per operand, so each operand pays a latency "
+              "(bytes are then not the whole cost: B comm prices them). The A100 meshes are "
+              "priced with XLA:GPU's collectives (reduce-scatters; one latency per combined "
+              "group) and their CPU compile is read back as XLA:GPU's "
+              "(`spmd.analysis.reconcile`) before its bytes are compared."]
     return "\n".join(lines)
 
 

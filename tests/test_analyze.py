@@ -261,6 +261,31 @@ def test_comm_time_prices_each_collective_over_its_mesh_axes():
     assert seconds == pytest.approx(want)
 
 
+def test_comm_time_charges_a_combined_cpu_all_reduce_a_latency_per_operand():
+    """XLA:CPU runs a combined all-reduce one rendezvous per operand, XLA:GPU as one call:
+    the same three-operand op pays three latencies on a CPU mesh and one on a GPU mesh."""
+    from spmd.cluster.mesh import make_mesh
+
+    hlo = """
+ENTRY %main (a: f32[64], b: f32[64], c: f32[32]) -> f32[64] {
+  %a = f32[64]{0} parameter(0)
+  %b = f32[64]{0} parameter(1)
+  %c = f32[32]{0} parameter(2)
+  ROOT %ar = (f32[64]{0}, f32[64]{0}, f32[32]{0}) all-reduce(%a, %b, %c), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+}
+"""
+    report = analyze_hlo_text(hlo)
+    assert report.collectives["all-reduce"] == (1, 160 * F32)
+    times = {}
+    for platform in ("cpu", "gpu"):
+        mesh = make_mesh({"data": 8}, bandwidth=1e15, latency=1e-5, platform=platform,
+                         virtual=True)
+        times[platform], unpriced = report.comm_time(mesh)
+        assert unpriced == 0
+    assert times["gpu"] == pytest.approx(1e-5, rel=1e-3)
+    assert times["cpu"] == pytest.approx(3e-5, rel=1e-3)
+
+
 def test_async_pairs_count_the_start_once_with_the_right_bytes():
     report = analyze_hlo_text(ASYNC_GPU_HLO)
     assert report.collectives["all-reduce"] == (1, 64 * F32)

@@ -57,7 +57,7 @@ import functools
 import io
 from typing import Any, Sequence
 
-from spmd.cost.partitioner import Collective
+from spmd.cost.partitioner import COMBINED_KINDS, Collective
 from spmd.cost.time import CostModel
 from spmd.analysis.hlo import (
     COLLECTIVE_KINDS,
@@ -68,6 +68,7 @@ from spmd.analysis.hlo import (
     parse_instructions,
     parse_replica_groups,
     shape_bytes,
+    tuple_elements,
 )
 from spmd.analysis.reconcile import GpuView, gpu_collectives
 from spmd.units import readable_bytes
@@ -197,8 +198,9 @@ class Report:
         collective-permute, or replica groups that are not whole mesh axes).
 
         Prices a program the search did not plan (a hand-written plan as XLA propagates it)
-        on the same scale as a prediction's ``comm_time``; XLA's combining of independent
-        collectives is not modelled, so it is an upper bound for those.
+        on the same scale as a prediction's ``comm_time``. A combined op pays one latency
+        where the platform runs it as one call, one per operand where it does not
+        (XLA:CPU: ``CostModel.latency_group``).
         """
         cost = CostModel(mesh)
         seconds, unpriced = 0.0, 0
@@ -208,7 +210,12 @@ class Report:
             if axes is None:
                 unpriced += op.runs
                 continue
-            seconds += op.runs * cost.time(Collective(op.kind, axes, float(op.bytes)))
+            c = Collective(op.kind, axes, float(op.bytes))
+            # a synchronous op's tuple result holds one element per operand
+            alone = (op.kind in COMBINED_KINDS and op.opcode == op.kind
+                     and cost.latency_group(c) is None)
+            extra = (len(tuple_elements(op.shape_text)) - 1) * cost.latency(c) if alone else 0.0
+            seconds += op.runs * (cost.time(c) + extra)
         return seconds, unpriced
 
     @property
