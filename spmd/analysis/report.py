@@ -57,7 +57,7 @@ import functools
 import io
 from typing import Any, Sequence
 
-from spmd.cost.partitioner import COMBINED_KINDS, Collective
+from spmd.cost.partitioner import Collective
 from spmd.cost.time import CostModel
 from spmd.analysis.hlo import (
     COLLECTIVE_KINDS,
@@ -200,7 +200,7 @@ class Report:
         Prices a program the search did not plan (a hand-written plan as XLA propagates it)
         on the same scale as a prediction's ``comm_time``. A combined op pays one latency
         where the platform runs it as one call, one per operand where it does not
-        (XLA:CPU: ``CostModel.latency_group``).
+        (XLA:CPU: ``CostModel.op_time``).
         """
         cost = CostModel(mesh)
         seconds, unpriced = 0.0, 0
@@ -210,12 +210,11 @@ class Report:
             if axes is None:
                 unpriced += op.runs
                 continue
-            c = Collective(op.kind, axes, float(op.bytes))
-            # a synchronous op's tuple result holds one element per operand
-            alone = (op.kind in COMBINED_KINDS and op.opcode == op.kind
-                     and cost.latency_group(c) is None)
-            extra = (len(tuple_elements(op.shape_text)) - 1) * cost.latency(c) if alone else 0.0
-            seconds += op.runs * (cost.time(c) + extra)
+            # a synchronous op's tuple result holds one element per operand (an async
+            # start's holds its operands and results: XLA:GPU's, one call whatever it holds)
+            operands = len(tuple_elements(op.shape_text)) if op.opcode == op.kind else 1
+            seconds += op.runs * cost.op_time(Collective(op.kind, axes, float(op.bytes)),
+                                              operands)
         return seconds, unpriced
 
     @property

@@ -38,7 +38,7 @@ from typing import Sequence
 import numpy as np
 
 from spmd.cluster.mesh import DeviceMesh
-from spmd.cost.partitioner import COLLECTIVE_KINDS, Collective, Partitioner
+from spmd.cost.partitioner import COLLECTIVE_KINDS, COMBINED_KINDS, Collective, Partitioner
 from spmd.rules.elementwise import ELEMENTWISE
 from spmd.rules.reduce import ARG_REDUCTIONS, REDUCTIONS
 from spmd.sharding import Spec
@@ -152,6 +152,13 @@ class CostModel:
         threads per operand: one all-reduce over 8 CPU devices of 1, 4, 16 and 38 operands
         (64 floats each) took 0.44, 1.16, 3.83 and 9.47 ms, a latency per operand."""
         return None if self.partitioner.platform == "cpu" else self.partitioner.combine_key(c)
+
+    def op_time(self, c: Collective, operands: int) -> float:
+        """Seconds for one HLO op that combines ``operands`` collectives like ``c`` (``c``
+        holding all their bytes): one latency where the platform runs the op as one call,
+        one per operand where it does not (``latency_group``)."""
+        per_operand = c.kind in COMBINED_KINDS and self.latency_group(c) is None
+        return self.time(c) + (max(operands, 1) - 1) * self.latency(c) * per_operand
 
     def split(self, c: Collective) -> tuple[float, float]:
         """``time(c)`` as (bandwidth seconds, latency seconds)."""
