@@ -11,6 +11,7 @@ from spmd.errors import InfeasibleError, PlanError
 from spmd.options import SolverOptions
 from spmd.solver import SolverRequest, evaluate, memory_peak, reduce, rescale, solve, validate
 from spmd.solver.cpsat import OutOfTime, build
+from spmd.solver.eliminate import eliminate
 from spmd.solver.local_search import local_search
 from spmd.solver.min_sum import min_sum_seed
 
@@ -371,6 +372,36 @@ def test_diffusion_bounds_every_plan_and_proves_trees_optimal():
             res = solve(req)
             assert res.status == "optimal" and res.bound_from == "diffusion"
             assert res.num_constraints == 0 and res.objective == pytest.approx(best)
+
+
+def test_elimination_leaves_the_core_and_completes_its_plans_exactly():
+    """A complete graph of 4 groups (degree 3: the core) with a chain hanging off group 0
+    (4 - 5, group 5 a leaf), a single-strategy group 6 joined to three core groups, and an
+    isolated group 7: groups 4 to 7 leave, and every plan of the core completes to the best
+    plan of the whole problem that agrees with it on the core. Diffusion over that core
+    bounds the whole problem's optimum."""
+    rng = np.random.default_rng(11)
+    core_edges = list(itertools.combinations(range(4), 2))
+    edges = core_edges + [(0, 4), (4, 5), (1, 6), (2, 6), (3, 6)]
+    sizes = [3, 3, 2, 3, 3, 2, 1, 3]
+    req = request([rng.uniform(0, 1, k).tolist() for k in sizes], edges,
+                  [rng.uniform(0, 2, (sizes[a], sizes[b])).tolist() for a, b in edges])
+    prob = reduce(req)
+    own = [u.astype(float) for u in prob.unary]
+    pairs = {key: m.astype(float) for key, m in prob.pairs.items()}
+    exact = eliminate(own, pairs)
+    assert exact.core == [0, 1, 2, 3] and set(pairs) == set(core_edges)
+    every = list(itertools.product(*[range(k) for k in sizes]))
+    for core_plan in itertools.product(*[range(sizes[g]) for g in range(4)]):
+        completed = exact.complete(list(core_plan) + [-1] * 4)
+        best = min(evaluate(req, c) for c in every if c[:4] == core_plan)
+        assert evaluate(req, completed) == pytest.approx(best)
+        reduced = (exact.offset + sum(own[g][k] for g, k in enumerate(core_plan))
+                   + sum(m[core_plan[a], core_plan[b]] for (a, b), m in pairs.items()))
+        assert reduced == pytest.approx(best)  # the core's costs are the completions'
+    optimum, _ = brute_force(req)
+    dual = min_sum_seed(prob, time.perf_counter() + 5.0)
+    assert dual.bound <= optimum + 1e-12
 
 
 def test_a_charge_is_paid_once_however_many_strategies_incur_it():

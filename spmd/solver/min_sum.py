@@ -14,7 +14,10 @@ and its edges until its own cost and each edge's cheapest entry per strategy agr
 plan keeps its total, while the sum of each group's and each edge's cheapest entry, a lower
 bound on every plan, never decreases. On 2 cores it is far tighter than the bound CP-SAT
 reaches in seconds: a 24-layer GPT's seed is proven within 0.04% of optimal in about a
-second; on a random 2,000-node request the gap is 2% where CP-SAT's left 13%. Alpa solves
+second; on a random 2,000-node request the gap is 2% where CP-SAT's left 13%. The sweeps
+run over the core that exact elimination leaves (``spmd.solver.eliminate``: chains, leaves
+and single strategies solved by dynamic programming): a 24-layer GPT on cpu-8 (477 groups,
+584 pairs; 83 and 172 left) converged to the same plan in 0.27 s instead of 6.0 s. Alpa solves
 the same problem exactly with an ILP; here diffusion seeds CP-SAT, and decides whether
 CP-SAT is worth running at all.
 """
@@ -26,6 +29,7 @@ import time
 
 import numpy as np
 
+from spmd.solver.eliminate import eliminate
 from spmd.solver.request import Reduced
 
 #: decode a plan (and read the bound) every this many forward-and-backward sweeps
@@ -74,23 +78,26 @@ def min_sum_seed(prob: Reduced, deadline: float, gap: float = 0.0,
     def bounded(cost: np.ndarray) -> np.ndarray:
         return np.where(np.isfinite(cost), cost, penalty).astype(float)
 
-    # The reparametrized costs, updated in place: own[u] per strategy of u, pair[e] an edge's
-    # matrix; sides[u] holds (neighbour, view) per edge of u, with u's strategies on the
-    # view's rows (the matrix or its transpose, both writing to the same array).
+    # The reparametrized costs, updated in place: own[u] per strategy of u, pair[key] an
+    # edge's matrix. ``messages`` move cost first; then the groups that dynamic programming
+    # settles exactly leave (``eliminate``), and the sweeps run over the core.
     own = [bounded(u) for u in prob.unary]
-    given = [bounded(m) for m in prob.pairs.values()]
-    pair = [m.copy() for m in given]
-    for (gu, gv), mat in zip(prob.pairs, pair):
-        if messages and (gu, gv) in messages:
-            to_u, to_v = messages[(gu, gv)]
-            mat -= to_u[:, None] + to_v[None, :]
+    pair = {key: bounded(m) for key, m in prob.pairs.items()}
+    moved = {key: (np.zeros(m.shape[0]), np.zeros(m.shape[1])) for key, m in pair.items()}
+    for key, (to_u, to_v) in (messages or {}).items():
+        if key in pair:
+            gu, gv = key
+            pair[key] = pair[key] - (to_u[:, None] + to_v[None, :])
             own[gu] += to_u
             own[gv] += to_v
+            moved[key] = (to_u.copy(), to_v.copy())
+    exact = eliminate(own, pair)
+    core = exact.core
+    start = {key: m.copy() for key, m in pair.items()}  # the core's pairs before the sweeps
     sides: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(n)]
-    for mat, (gu, gv) in zip(pair, prob.pairs):
+    for (gu, gv), mat in pair.items():
         sides[gu].append((gv, mat))
         sides[gv].append((gu, mat.T))
-
     views = [[view for _, view in side] for side in sides]  # the hot loop's own lists
     weights = [1.0 / (len(side) + 1) for side in sides]
 
@@ -109,23 +116,24 @@ def min_sum_seed(prob: Reduced, deadline: float, gap: float = 0.0,
         own[u] = share
 
     def bound() -> float:
-        return float(sum(c.min() for c in own) + sum(m.min() for m in pair))
+        return float(exact.offset + sum(own[u].min() for u in core)
+                     + sum(m.min() for m in pair.values()))
 
     def decode() -> list[int]:
-        """Each group in turn: its best reply to the groups already decoded, with the
-        cheapest entry of each edge to the rest."""
+        """Each core group in turn: its best reply to the groups already decoded, with the
+        cheapest entry of each edge to the rest; then the eliminated groups' best replies."""
         pick = [-1] * n
-        for u in range(n):
+        for u in core:
             cost = own[u].copy()
             for v, view in sides[u]:
                 cost += view[:, pick[v]] if pick[v] >= 0 else view.min(axis=1)
             pick[u] = int(np.argmin(cost))
-        return pick
+        return exact.complete(pick)
 
     def sweep() -> None:
-        for u in range(n):
+        for u in core:
             diffuse(u)
-        for u in range(n - 1, -1, -1):
+        for u in reversed(core):
             diffuse(u)
 
     best: list[int] | None = None
@@ -150,8 +158,9 @@ def min_sum_seed(prob: Reduced, deadline: float, gap: float = 0.0,
         else:  # only the bound counts, and only while it can close the gap in time
             idle = 0 if now - low > CREEP * (target - now) else idle + 1
         low = max(low, now)
-    moved = {}
-    for key, before, after in zip(prob.pairs, given, pair):
-        shift = before - after  # = to_u[:, None] + to_v[None, :]
-        moved[key] = (shift[:, 0].copy(), shift[0, :] - shift[0, 0])
+    for key, before in start.items():
+        if key in moved:  # a pair of ``prob`` (not one a chain's link made)
+            shift = before - pair[key]  # = to_u[:, None] + to_v[None, :]
+            to_u, to_v = moved[key]
+            moved[key] = (to_u + shift[:, 0], to_v + shift[0, :] - shift[0, 0])
     return Diffused([best[g] for g in prob.group_of], min(low, best_value), moved)
