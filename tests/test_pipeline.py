@@ -238,10 +238,14 @@ def test_auto_pipeline_matches_one_device(mesh):
     with jax.default_device(jax.devices()[0]):
         want_loss, want = jax.jit(_grad_step(spec))(spec.create(0), batch)
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+    # A gradient that is zero in exact arithmetic (the key projection's bias: softmax ignores
+    # a shift every key shares) holds only rounding noise, which each summation order makes
+    # anew: the tolerance's floor is a fraction of the largest gradient, not of that noise.
+    largest = max(float(np.abs(np.asarray(ref)).max()) for ref in jax.tree.leaves(want))
     for got, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
         ref = np.asarray(ref)
         np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-4,
-                                   atol=1e-5 * max(float(np.abs(ref).max()), 1e-6))
+                                   atol=1e-5 * max(float(np.abs(ref).max()), 1e-4 * largest))
 
 
 def test_auto_at_two_levels_is_made_again_from_its_record(mesh, tmp_path):
