@@ -53,9 +53,10 @@ class Elimination:
 
 
 def eliminate(own: list[np.ndarray], pairs: dict[tuple[int, int], np.ndarray]) -> Elimination:
-    """Eliminate, in place, every group of degree <= 2 or with one strategy, as long as one
-    is left (``own``: per group; ``pairs``: (gu, gv) with gu < gv, rows gu's strategies).
-    Eliminated groups' pairs leave ``pairs``; pairs a chain's link made join it."""
+    """Eliminate, in place, groups of degree <= 2 or with one strategy until none is left
+    (an elimination can make a neighbour one) (``own``: per group; ``pairs``: (gu, gv) with
+    gu < gv, rows gu's strategies). Eliminated groups' pairs leave ``pairs``; pairs a
+    chain's link made join it."""
     n = len(own)
     neighbours: list[set[int]] = [set() for _ in range(n)]
     for gu, gv in pairs:
