@@ -18,6 +18,8 @@ import dataclasses
 
 import numpy as np
 
+from spmd.solver.request import add_pair
+
 __all__ = ["Elimination", "eliminate"]
 
 
@@ -94,8 +96,7 @@ def eliminate(own: list[np.ndarray], pairs: dict[tuple[int, int], np.ndarray]) -
         else:  # a link of a chain: its best reply per pair of its neighbours' strategies
             (v, to_v), (w, to_w) = sides
             link = (to_v[:, :, None] + own[u][:, None, None] + to_w[:, None, :]).min(axis=0)
-            key = (v, w)  # v < w: ``others`` is sorted
-            pairs[key] = pairs[key] + link if key in pairs else link
+            add_pair(pairs, v, w, link)
             neighbours[v].add(w)
             neighbours[w].add(v)
         for v in others:

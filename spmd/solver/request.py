@@ -24,8 +24,8 @@ import numpy as np
 
 from spmd.errors import PlanError
 
-__all__ = ["Fanout", "Reduced", "SolverRequest", "SolverResult", "evaluate", "memory_peak",
-           "reduce", "validate"]
+__all__ = ["Fanout", "Reduced", "SolverRequest", "SolverResult", "add_pair", "evaluate",
+           "memory_peak", "reduce", "validate"]
 
 #: (producer node, costs[producer strategy][target], [(consumer node, target per strategy)])
 Fanout = tuple[int, Sequence[Sequence[float]], list[tuple[int, Sequence[int]]]]
@@ -381,11 +381,11 @@ class Reduced:
                 if g == gp:
                     unary[gp] += paid[np.arange(len(targets)), targets]
                 else:
-                    _add_pair(pairs, gp, g, paid[:, targets])
+                    add_pair(pairs, gp, g, paid[:, targets])
         return Reduced(self.groups, self.group_of, unary, pairs, [], [])
 
 
-def _add_pair(pairs: dict, gu: int, gv: int, mat: np.ndarray) -> None:
+def add_pair(pairs: dict, gu: int, gv: int, mat: np.ndarray) -> None:
     """Add a (gu strategies x gv strategies) matrix to the pair (gu, gv), stored gu < gv."""
     if gu > gv:
         gu, gv, mat = gv, gu, mat.T
@@ -436,7 +436,7 @@ def reduce(r: SolverRequest) -> Reduced:
         elif len(unary[gv]) == 1:
             unary[gu] += mat[:, 0]
         else:
-            _add_pair(pairs, gu, gv, mat)
+            add_pair(pairs, gu, gv, mat)
 
     for e, (u, v) in enumerate(r.edges):
         pair(group_of[u], group_of[v], np.asarray(r.edge_costs[e], dtype=float))
