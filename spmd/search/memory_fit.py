@@ -202,9 +202,11 @@ def fit_memory(jaxpr, graph: Graph, inputs: Sequence[InputInfo], mesh: DeviceMes
             # nothing faster: keep it.
             result = dataclasses.replace(warm, constraints=job.constraints(warm))
         probes.append({"remat": remat.summary() if remat is not None else "none",
+                       "recomputed": 0 if remat is None else sum(p is not None for p in remat.policies),
                        "offload": moved.summary(leaves) if moved is not None else "none",
                        "fits": result is not None,
                        "peak_bytes": None if result is None else result.prediction.memory_bytes,
+                       "step_seconds": None if result is None else result.prediction.total_time,
                        "seconds": time.perf_counter() - start})
         return None if result is None else Fitted(result, job, rewritten, remat, moved, probes,
                                                   notes)
