@@ -101,14 +101,14 @@ def solve(request: SolverRequest, options: SolverOptions = SolverOptions()) -> S
                          deadline=max(start + 0.7 * window, time.perf_counter() + 0.25 * window))
     if not prob.fanouts:
         proven = dual.bound
-    elif options.refine:
-        # from where the first diffusion ended: the two differ only in fan-out targets
+    else:
+        # From where the first diffusion ended (the two differ only in fan-out targets). A
+        # scoring, with no CP-SAT to follow, stops its starts once this proves the gap: two
+        # of six hand-written plans of a 24-layer GPT on 8 A100s, in 0.04 s each.
+        share = max(0.4 * window, 0.2 * limit) if options.refine else 0.2 * limit
         proven = min_sum_seed(prob.pairwise(split=True), target=exact(first), gap=gap,
                               messages=dual.messages,
-                              deadline=time.perf_counter() + max(0.4 * window,
-                                                                 0.2 * limit)).bound
-    else:
-        proven = 0.0  # nothing to decide by it: the best seed is the answer
+                              deadline=time.perf_counter() + share).bound
     # The other starts get their time after diffusion, however long it took: on moe-tiny
     # over 16 A100s the all-first-strategy start is the best (0.094 ms, diffusion 0.119).
     after = time.perf_counter()
