@@ -177,6 +177,36 @@ def test_only_liveness_sets_that_can_exceed_the_budget_become_constraints():
     assert res.objective == pytest.approx(brute_force(req)[0])
 
 
+def test_a_copy_counts_where_readers_on_both_sides_of_its_point_want_it():
+    """Node 0 makes a value in spec a (s0) or b (s1); readers 1 (before the point) and 2
+    (after it) read it in a (s0) or b (s1). The copy in b of a value made in a (6e9) is live
+    at the point only when both readers want b; the fastest plan (0 in a, readers in b) holds
+    it, so under a budget the solver pays a reshard-free slower plan instead."""
+    copy = (0, [[0.0, 6e9], [5e9, 0.0]], [(1, [0, 1])], [(2, [0, 1])])
+    req = request([[0.0, 4.0], [1.0, 0.0], [1.0, 0.0]], node_memory=[[1e9, 1e9], [0.0, 0.0],
+                                                                      [0.0, 0.0]],
+                  liveness=[[0]])
+    req.liveness_memory = [[[1e9, 1e9]]]
+    req.liveness_copies = [[copy]]
+    validate(req)
+    assert solve(req).choice == [0, 1, 1]
+    assert memory_peak(req, [0, 1, 1]) == 7e9 and memory_peak(req, [0, 1, 0]) == 1e9
+    assert memory_peak(req, [1, 0, 0]) == 6e9  # made in b, both want a: a's copy, 5e9
+    req.memory_budget = 3e9
+    res = solve(req)
+    assert memory_peak(req, res.choice) <= 3e9
+    assert res.choice in ([0, 1, 0], [0, 0, 1]) and res.objective == pytest.approx(1.0)
+    assert res.objective == pytest.approx(brute_force(req)[0])
+    assert SolverRequest.from_json(req.to_json()) == req
+    req.liveness_copies = [[(0, [[0.0, 6e9]], [(1, [0, 1])], [(2, [0, 1])])]]
+    with pytest.raises(PlanError, match="liveness set 0's copy 0: needs one row of bytes "
+                                        "per strategy of node 0"):
+        validate(req)
+    req.liveness_copies = [[(0, copy[1], [(1, [0, 2])], [(2, [0, 1])])]]
+    with pytest.raises(PlanError, match="reader 1 names a target outside"):
+        validate(req)
+
+
 def test_infeasible_memory_states_the_minimum():
     mem = [[8e9, 1e9], [8e9, 3e9], [4e9, 2e9]]
     req = request([[0.0, 1.0]] * 3, [(0, 1), (1, 2)], [SWAP, SWAP], node_memory=mem,

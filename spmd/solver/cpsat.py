@@ -291,19 +291,20 @@ def build(r: SolverRequest, prob: Reduced, scaled: Scaled, *, with_memory: bool,
             model.add_hint(paid, any(pick[g] == k for g, k in members))
     if with_memory and r.liveness:
         # Minimizing the peak needs every set; under a budget, only those that can exceed it.
-        mem_terms = _memory_terms(r, prob, x, None if minimize_memory else r.memory_budget)
+        mem_terms = _memory_terms(r, prob, model, x,
+                                  None if minimize_memory else r.memory_budget, pick)
         if minimize_memory:
-            top = sum(sum(c for _, c in t) for t in mem_terms) + 1
+            top = sum(sum(most for _, _, most in t) for t in mem_terms) + 1
             peak = model.new_int_var(0, top, "peak")
             for t in mem_terms:
                 if t:
-                    model.add(weighted([v for v, _ in t], [c for _, c in t]) <= peak)
+                    model.add(weighted([v for v, _, _ in t], [c for _, c, _ in t]) <= peak)
             obj_vars, obj_coefs = [peak], [1]
         elif r.memory_budget is not None:
             budget = math.floor(r.memory_budget / memory_unit(r))
             for t in mem_terms:
                 if t:
-                    model.add(weighted([v for v, _ in t], [c for _, c in t]) <= budget)
+                    model.add(weighted([v for v, _, _ in t], [c for _, c, _ in t]) <= budget)
     if obj_vars:
         model.minimize(weighted(obj_vars, obj_coefs))
     proto = model.proto
@@ -313,24 +314,33 @@ def build(r: SolverRequest, prob: Reduced, scaled: Scaled, *, with_memory: bool,
 def memory_unit(r: SolverRequest) -> float:
     """Bytes per integer unit: the budget (or the largest set) maps to ~MEMORY_UNITS units."""
     ref = r.memory_budget or max((sum(max(row) for _, row in r.set_terms(i))
+                                  + sum(float(np.max(nbytes, axis=0).sum())
+                                        for _, nbytes, _, _ in r.copy_terms(i))
                                   for i in range(len(r.liveness))), default=1.0)
     return max(ref / MEMORY_UNITS, 1e-12)
 
 
-def _memory_terms(r: SolverRequest, prob: Reduced, x,
-                  budget: float | None = None) -> list[list[tuple[object, int]]]:
-    """Per liveness set, (literal, units) terms; memory rounds up so a fit is a real fit.
+def _memory_terms(r: SolverRequest, prob: Reduced, model, x, budget: float | None = None,
+                  pick: Sequence[int] | None = None) -> list[list[tuple[object, int, int]]]:
+    """Per liveness set, (variable, units per unit of it, most units) terms; memory rounds
+    up so a fit is a real fit.
 
-    With a ``budget``, a set that fits it even with every node at its largest strategy can
-    never bind and gets no terms: on a 24-layer GPT under a GPU's memory that is every set,
-    and writing them out took 0.65 s of a 4 s solve."""
+    With a ``budget``, a set that fits it even with every node at its largest strategy and
+    every copy made can never bind and gets no terms: on a 24-layer GPT under a GPU's memory
+    that is every set, and writing them out took 0.65 s of a 4 s solve. A copy
+    (``liveness_copies``) is an integer variable per target, at least its bytes under the
+    producer's strategy when readers on both sides of the point want that target
+    (``pick``: the hinted strategy per group, which hints those variables too)."""
     unit = memory_unit(r)
     cap = math.floor(budget / unit) if budget is not None else None
     out = []
     for i in range(len(r.liveness)):
-        terms = r.set_terms(i)
-        if cap is not None and sum(max((math.ceil(m / unit) for m in row), default=0)
-                                   for _, row in terms) <= cap:
+        terms, copies = r.set_terms(i), r.copy_terms(i)
+        units = [np.ceil(np.asarray(nbytes, dtype=float) / unit).astype(np.int64)
+                 for _, nbytes, _, _ in copies]
+        if cap is not None and (
+                sum(max((math.ceil(m / unit) for m in row), default=0) for _, row in terms)
+                + sum(int(u.max(axis=0).sum()) for u in units) <= cap):
             out.append([])
             continue
         coef: dict[tuple[int, int], int] = {}
@@ -339,8 +349,42 @@ def _memory_terms(r: SolverRequest, prob: Reduced, x,
             for s, m in enumerate(row):
                 if m:
                     coef[(g, s)] = coef.get((g, s), 0) + math.ceil(m / unit)
-        out.append([(x[g][s], c) for (g, s), c in coef.items()])
+        held = []
+        for (producer, _, before, after), table in zip(copies, units):
+            gp = prob.group_of[producer]
+            for d in np.nonzero(table.max(axis=0))[0].tolist():
+                sides = [_wanting(model, x, prob, side, d, pick) for side in (before, after)]
+                if any(lit is None for lit in sides):
+                    continue  # no reader on one side can want this target
+                var = model.new_int_var(0, int(table[:, d].max()), "")
+                for s in np.nonzero(table[:, d])[0].tolist():
+                    model.add(var >= int(table[s, d])).only_enforce_if([x[gp][s], *sides])
+                if pick is not None:
+                    wanted = all(any(int(t[pick[prob.group_of[v]]]) == d for v, t in side)
+                                 for side in (before, after))
+                    model.add_hint(var, int(table[pick[gp], d]) if wanted else 0)
+                held.append((var, 1, int(table[:, d].max())))
+        out.append([(x[g][s], c, c) for (g, s), c in coef.items()] + held)
     return out
+
+
+def _wanting(model, x, prob: Reduced, readers, target: int, pick: Sequence[int] | None):
+    """A literal true when some of ``readers`` ((node, target per strategy)) wants
+    ``target`` (forced true then; free otherwise, and false where it helps), or None when
+    none of them can."""
+    lits = [x[prob.group_of[v]][s] for v, targets in readers
+            for s, t in enumerate(targets) if int(t) == target]
+    lits = list({id(lit): lit for lit in lits}.values())
+    if not lits:
+        return None
+    if len(lits) == 1:
+        return lits[0]
+    some = model.new_bool_var("")
+    for lit in lits:
+        model.add_implication(lit, some)
+    if pick is not None:
+        model.add_hint(some, any(int(t[pick[prob.group_of[v]]]) == target for v, t in readers))
+    return some
 
 
 def run(model, time_limit: float, options: SolverOptions, stall: float | None = None,

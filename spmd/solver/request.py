@@ -24,11 +24,17 @@ import numpy as np
 
 from spmd.errors import PlanError
 
-__all__ = ["Fanout", "Reduced", "SolverRequest", "SolverResult", "add_pair", "evaluate",
-           "memory_peak", "reduce", "validate"]
+__all__ = ["Copy", "Fanout", "Reduced", "SolverRequest", "SolverResult", "add_pair",
+           "copy_held", "evaluate", "memory_peak", "reduce", "validate"]
 
 #: (producer node, costs[producer strategy][target], [(consumer node, target per strategy)])
 Fanout = tuple[int, Sequence[Sequence[float]], list[tuple[int, Sequence[int]]]]
+#: (producer node, bytes[producer strategy][target], readers up to a program point, readers
+#: from it), each reader as (node, target per strategy): a value's copy in a target spec is
+#: live at the point when readers on both sides want that target (0 bytes where the
+#: producer's own spec is the target: no copy)
+Copy = tuple[int, Sequence[Sequence[float]], list[tuple[int, Sequence[int]]],
+             list[tuple[int, Sequence[int]]]]
 
 
 @dataclasses.dataclass
@@ -60,6 +66,9 @@ class SolverRequest:
         liveness_memory: per liveness set, per member (in its order), the member's bytes per
             strategy live at that set's point; None: each member's ``node_memory`` (a bound:
             a node standing for many values is charged all of them wherever one is live).
+        liveness_copies: per liveness set, the copies of values it holds besides its
+            members' values (``Copy``: a value's copy in a spec that readers on both sides
+            of the set's point want, where its producer's spec differs); None: none.
     """
 
     node_names: list[str]
@@ -76,12 +85,17 @@ class SolverRequest:
     charges: list[tuple[float, list[tuple[int, int]]]] = dataclasses.field(default_factory=list)
     fanouts: list[Fanout] = dataclasses.field(default_factory=list)
     liveness_memory: list[list[list[float]]] | None = None
+    liveness_copies: list[list[Copy]] | None = None
 
     def set_terms(self, i: int) -> list[tuple[int, Sequence[float]]]:
         """Liveness set ``i`` as (node, bytes per strategy) terms, each counted once."""
         if self.liveness_memory is None:
             return [(v, self.node_memory[v]) for v in dict.fromkeys(self.liveness[i])]
         return list(zip(self.liveness[i], self.liveness_memory[i]))
+
+    def copy_terms(self, i: int) -> list[Copy]:
+        """Liveness set ``i``'s copies (``liveness_copies``)."""
+        return [] if self.liveness_copies is None else list(self.liveness_copies[i])
 
     def to_json(self) -> str:
         """Serialise (``inf`` as the string "inf") so a request can be saved and replayed."""
@@ -95,6 +109,11 @@ class SolverRequest:
                           for cost, members in raw.get("charges", [])]
         raw["fanouts"] = [(producer, costs, [(node, targets) for node, targets in consumers])
                           for producer, costs, consumers in raw.get("fanouts", [])]
+        if raw.get("liveness_copies") is not None:
+            raw["liveness_copies"] = [
+                [(producer, nbytes, [tuple(r) for r in before], [tuple(r) for r in after])
+                 for producer, nbytes, before, after in terms]
+                for terms in raw["liveness_copies"]]
         return cls(**raw)
 
 
@@ -229,6 +248,8 @@ def validate(request: SolverRequest) -> None:
                      if any(not (math.isfinite(m) and m >= 0) for row in rows for m in row))
             raise PlanError(f"solver request: liveness set {i} has a negative or "
                             f"non-finite memory")
+    if r.liveness_copies is not None:
+        _check_copies(r, sizes)
     for i, (cost, members) in enumerate(r.charges):
         if not (math.isfinite(cost) and cost >= 0):
             raise PlanError(f"solver request: charge {i} costs {cost}; it must be finite and "
@@ -245,6 +266,33 @@ def validate(request: SolverRequest) -> None:
         _check_choice(r, r.warm_start, "warm_start")
     if not r.time_limit > 0:
         raise PlanError(f"solver request: time_limit must be positive, got {r.time_limit}")
+
+
+def _check_copies(r: SolverRequest, sizes: Sequence[int]) -> None:
+    if len(r.liveness_copies) != len(r.liveness):
+        raise PlanError(f"solver request: liveness_copies has {len(r.liveness_copies)} sets "
+                        f"for {len(r.liveness)} liveness sets")
+    n = len(sizes)
+    for i, terms in enumerate(r.liveness_copies):
+        for k, (producer, nbytes, before, after) in enumerate(terms):
+            where = f"solver request: liveness set {i}'s copy {k}"
+            if not 0 <= producer < n:
+                raise PlanError(f"{where}: producer {producer} is not one of {n} nodes")
+            m = np.asarray(nbytes, dtype=float)
+            if m.ndim != 2 or m.shape[0] != sizes[producer]:
+                raise PlanError(f"{where}: needs one row of bytes per strategy of node "
+                                f"{producer} ({sizes[producer]}), got shape {m.shape}")
+            if not (np.isfinite(m).all() and (m >= 0).all()):
+                raise PlanError(f"{where}: has a negative or non-finite memory")
+            if not before or not after:
+                raise PlanError(f"{where}: needs readers on both sides of its point")
+            for node, targets in [*before, *after]:
+                if not 0 <= node < n or len(targets) != sizes[node]:
+                    raise PlanError(f"{where}: reader {node} needs to be a node and name one "
+                                    f"target per strategy")
+                if len(targets) and not 0 <= min(targets) <= max(targets) < m.shape[1]:
+                    raise PlanError(f"{where}: reader {node} names a target outside the "
+                                    f"{m.shape[1]} columns of its bytes")
 
 
 def _check_fanout(r: SolverRequest, i: int, producer: int, costs, consumers) -> None:
@@ -318,10 +366,18 @@ def evaluate(request: SolverRequest, choice: Sequence[int]) -> float:
     return float(total)
 
 
+def copy_held(term: Copy, choice: Sequence[int]) -> float:
+    """Bytes of one ``Copy`` live at its point under ``choice`` (a strategy per node)."""
+    producer, nbytes, before, after = term
+    wanted = ({int(t[choice[v]]) for v, t in before} & {int(t[choice[v]]) for v, t in after})
+    return sum(float(nbytes[choice[producer]][d]) for d in wanted)
+
+
 def memory_peak(request: SolverRequest, choice: Sequence[int]) -> float:
     """Largest bytes per device over the liveness sets under ``choice`` (0 without sets)."""
     _check_choice(request, choice, "memory_peak")
     return max((sum(row[choice[v]] for v, row in request.set_terms(i))
+                + sum(copy_held(term, choice) for term in request.copy_terms(i))
                 for i in range(len(request.liveness))), default=0.0)
 
 
