@@ -24,7 +24,8 @@ LAYERS = [
     {"spmd.memory.liveness", "spmd.memory.remat", "spmd.memory.offload"},
     {"spmd.search.fusion", "spmd.search.layout", "spmd.search.roofline",
      "spmd.search.costgraph", "spmd.search.encode", "spmd.search.predict",
-     "spmd.search.intra_op", "spmd.search.regions", "spmd.search.memory_fit"},
+     "spmd.search.intra_op", "spmd.search.regions", "spmd.search.memory_fit",
+     "spmd.search.point_memory"},
     {"spmd.stages.split", "spmd.stages.stack", "spmd.stages.schedule", "spmd.stages.price",
      "spmd.stages.dp"},  # the inter-op level
     {"spmd.plan", "spmd.explain", "spmd.logical", "spmd.manual", "spmd.stages.plan"},

@@ -3,6 +3,8 @@ where what the cost model leaves out decides the plan: a model whose activations
 weights (FSDP with every layer recomputed), and gradients too large for one combined
 collective on XLA:GPU."""
 
+import dataclasses
+
 import jax
 import pytest
 from flax import nnx
@@ -15,6 +17,7 @@ from spmd.memory.remat import (RECOMPUTE_ALL, RematPlan, block_count, is_recompu
 from spmd.options import SearchOptions
 from spmd.planner import step_inputs
 from spmd.search.intra_op import IntraOp
+from spmd.search.memory_fit import search_under
 from spmd.trace.graph import build_graph
 from spmd.trace.signature import StepSignature
 
@@ -42,11 +45,10 @@ def test_fsdp_with_every_layer_recomputed_keeps_a_fraction_of_its_peak(gpt):
     jnp.where's call).
 
     The ratio is 0.74 (3.21 of 4.35 GB): the fastest scoring of the recomputed step gathers
-    the logits for one op of the loss, a 1.6 GiB copy that no block holds and remat leaves.
-    An assignment that keeps them split (2.0 GB, 0.46, 6% slower) exists, and the scoring
-    found it before diffusion solved chains exactly, but the integer program's memory rows
-    do not see resharded copies, so not even ``search_under`` trades that copy away under a
-    budget (the least it finds is 3.02 GiB): a gap of the memory rows, not of remat."""
+    the logits' gradient for the output projection's backward, a 1.6 GiB copy that no block
+    holds and remat leaves. Under half the plain peak, FSDP's inputs pinned, the search
+    trades it away: the set of the point where a plan peaks holds the copies live there
+    (``spmd.search.point_memory``; before, the least it found was 3.02 GiB)."""
     mesh = spmd.load_mesh("a100-8x8", virtual=True)
     graph = build_graph(gpt.jaxpr)
     layers = block_count(graph)
@@ -58,10 +60,19 @@ def test_fsdp_with_every_layer_recomputed_keeps_a_fraction_of_its_peak(gpt):
     matmuls = [n for n in recomputed if n.op.primitive == "dot_general"]
     assert matmuls and not any(rewritten.nodes[v.node].kind == "input" for n in matmuls
                                for v in n.operands if v is not None)  # weights fenced too
-    plain, redone = _fsdp(gpt, gpt.jaxpr, mesh), _fsdp(gpt, program, mesh)
+    inputs = step_inputs(gpt, mesh, SearchOptions())
+    fsdp = manual_specs(gpt.leaves, "fsdp", mesh, [i.pinned for i in inputs])
+    plain = _fsdp(gpt, gpt.jaxpr, mesh)
+    redone = _fsdp(gpt, program, mesh)
     assert redone.memory_bytes < 0.8 * plain.memory_bytes, (redone.memory_bytes,
                                                             plain.memory_bytes)
     assert redone.recompute_time > 0
+    pinned = [dataclasses.replace(i, pinned=s) for i, s in zip(inputs, fsdp)]
+    job = IntraOp(rewritten, pinned, mesh, output_aliases=gpt.output_aliases)
+    budget = 0.5 * plain.memory_bytes
+    fitted, why = search_under(job, budget, SearchOptions(time_limit=10.0))
+    assert why is None and fitted.prediction.memory_bytes <= budget, why
+    assert fitted.input_specs == fsdp
 
 
 def test_gpu_combines_gradient_reductions_up_to_its_threshold(gpt):

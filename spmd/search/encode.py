@@ -22,7 +22,8 @@ constant). Terms:
   what the liveness holds at that point (a group's own-peak row, ``node_memory``, would
   charge a weight gradient's group the moments its update makes all through the backward
   pass: 25% over an offloaded step's real peak on mlp-small). Resharded copies and partial
-  sums (``predict``'s buffers) are not in these rows.
+  sums (``predict``'s buffers) are not in these rows; a request for given points adds sets
+  that hold those too (``spmd.search.point_memory``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import numpy as np
 from spmd import rules as _rules
 from spmd.memory.liveness import LIVENESS_POINTS
 from spmd.search.costgraph import CostGraph, Read
+from spmd.search.point_memory import point_terms
 from spmd.sharding import Spec
 from spmd.solver import SolverRequest
 from spmd.trace.graph import Value
@@ -122,8 +124,11 @@ class Encoding:
         return hit[0]
 
     # -- the request ---------------------------------------------------------------------
-    def request(self, memory_budget: float | None, time_limit: float) -> SolverRequest:
-        """The solver's request: the op part built once per cost graph, the inputs' here."""
+    def request(self, memory_budget: float | None, time_limit: float,
+                points: Sequence[int] = ()) -> SolverRequest:
+        """The solver's request: the op part built once per cost graph, the inputs' here.
+        ``points``: program points whose liveness sets also hold the copies and partial
+        sums live there (``spmd.search.point_memory``), besides the busiest points'."""
         cg, nodes = self.cg, self.cg.graph.nodes
         shared = self.encoder.shared
         if shared is None:
@@ -144,6 +149,14 @@ class Encoding:
         set_memory = [[row if row is not None else input_row(g, values[g])
                        for g, row in zip(values, rows)]
                       for values, rows in zip(shared.set_values, shared.set_memory)]
+        liveness, copies = list(shared.liveness), None
+        if points:
+            copies = [[] for _ in liveness]
+            for t in points:
+                unary, held = point_terms(self, t)
+                liveness.append(list(unary))
+                set_memory.append([row.tolist() for row in unary.values()])
+                copies.append(held)
         for node in cg.graph.inputs:
             i = self.index[node]
             specs = self.spec_list(node, 0, True)
@@ -172,7 +185,7 @@ class Encoding:
             node_costs=[c.tolist() for c in costs],
             edges=edge_list, edge_costs=[edges[e] for e in edge_list],  # arrays: no copy
             same_as=list(self.same_as), node_memory=[m.tolist() for m in memory],
-            liveness=shared.liveness, liveness_memory=set_memory,
+            liveness=liveness, liveness_memory=set_memory, liveness_copies=copies,
             memory_budget=memory_budget, warm_start=None,
             time_limit=time_limit,
             charges=[(lat, [(self.index[r], k) for r, k in members])

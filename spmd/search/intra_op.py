@@ -27,7 +27,8 @@ from spmd.errors import PlanError
 from spmd.options import SearchOptions, SolverOptions
 from spmd.search.costgraph import CostGraph, InputInfo
 from spmd.search.encode import Encoder, Encoding
-from spmd.search.predict import Prediction, predict
+from spmd.search.point_memory import held, point_terms
+from spmd.search.predict import Prediction, predict, predict_with_peak
 from spmd.sharding import Spec, replicated, spec_from_json, spec_to_json
 from spmd.solver import SolverRequest, SolverResult, memory_peak, solve
 from spmd.timing import Stopwatch
@@ -109,9 +110,14 @@ class IntraOp:
     def search(self, *, memory_budget: float | None = None,
                time_limit: float = SearchOptions.time_limit,
                solver: SolverOptions = SolverOptions(),
-               warm_start: "AutoResult | None" = None) -> AutoResult:
+               warm_start: "AutoResult | None" = None,
+               points: Sequence[int] = ()) -> AutoResult:
         """The best plan with the inputs' own pins, under ``memory_budget`` bytes per device
-        (default: the device's memory), seeded by ``warm_start`` (a scoring on this graph).
+        (default: the device's memory), seeded by ``warm_start`` (a scoring on this graph);
+        at ``points`` the budget binds on what the plan holds there with its copies and
+        partial sums (``spmd.search.point_memory``). ``stats["peak_point"]`` is the program
+        point where the answer's predicted memory peaks; over the budget,
+        ``stats["peak_point_held"]`` the bytes that point's set holds of it.
 
         Raises:
           InfeasibleError: no plan fits the memory budget.
@@ -122,7 +128,8 @@ class IntraOp:
         if warm_start is not None and warm_start.node_strategies is not None:
             warm = _warm_choice(enc, warm_start.node_strategies)
         budget = self.mesh.device.memory_bytes if memory_budget is None else memory_budget
-        result = self._solve(enc, float(budget), time_limit, solver, warm, start)
+        result = self._solve(enc, float(budget), time_limit, solver, warm, start,
+                             points=points)
         result.stats["warm_start"] = warm is not None
         return result
 
@@ -143,19 +150,23 @@ class IntraOp:
     # -- solving and reading the answer --------------------------------------------------
     def _solve(self, enc: Encoding, budget: float | None, time_limit: float,
                options: SolverOptions, warm: list[int] | None, start: float,
-               constrain: bool = True) -> AutoResult:
+               constrain: bool = True, points: Sequence[int] = ()) -> AutoResult:
         watch = Stopwatch()
         with watch.phase("request"):
-            req = enc.request(budget, time_limit)
+            req = enc.request(budget, time_limit, points)
             req.warm_start = warm
         with watch.phase("solve"):  # (a clock-bounded answer: the same on every process)
             res = first_process(lambda: solve(req, options), encode=dataclasses.asdict,
                                 decode=lambda raw: SolverResult(**raw))
         with watch.phase("predict"):
             node_choice = enc.node_choice(res.choice)
-            pred = predict(enc, node_choice)
+            pred, peak_point = predict_with_peak(enc, node_choice)
             result = _result(enc, node_choice, pred, res, constrain)
         result.stats.update(_stats(enc, req, res, time.perf_counter() - start))
+        result.stats["peak_point"] = peak_point
+        if budget is not None and pred.memory_bytes > budget:
+            # what a set at the peak's point would hold of this plan: whether one shuts it out
+            result.stats["peak_point_held"] = held(*point_terms(enc, peak_point), res.choice)
         result.stats["phases"] = watch.as_dict()
         return result
 

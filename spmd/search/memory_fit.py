@@ -99,25 +99,33 @@ def search_under(job: IntraOp, budget: float, options: SearchOptions,
     """The search's plan within ``budget`` by its prediction, or None and why (the least
     memory, in words; None when no plan was found in the time limit).
 
-    The integer program's memory rows leave out what the prediction adds beside the graph's
-    values (resharded copies, partial sums: ``spmd.memory.liveness.Buffer``), so a plan it
-    fits to the budget can be over it by those: the search is run again with the program's
-    budget (its target) lowered by that overshoot, and where a target proves infeasible,
-    halfway back to the last target that found a plan, up to ``attempts`` searches in all.
-    (One retry was not enough: on a step of 8 tanh layers with every layer recomputed, a
-    target of 5.8 MiB gave a plan predicted at 7.1 MiB and the lowered one none, while a
-    target of 5.0 MiB gave one at 5.1 MiB.) Where the plan's own rows sat below the lowered
-    target too, they did not bind and the same plan would come again: the target goes to
-    those rows less the overshoot instead. (gpt-13b on 8 A100s, save_dots on every layer,
-    with the reduce-scatter variants of an experiment: rows at 31.72 GiB, the prediction
-    33.68, 0.15 over; the same plan came at targets 33.53, 33.38, 33.23 and 33.08.)"""
+    The integer program's memory rows, at the busiest program points, leave out what the
+    prediction adds beside the graph's values (resharded copies, partial sums:
+    ``spmd.memory.liveness.Buffer``), so a plan it fits to the budget can be over it by
+    those. Where a plan's peak lies over the budget at a point whose set, holding the copies
+    and partial sums live there too (``spmd.search.point_memory``: a lower bound of the
+    prediction, so no plan that fits is shut out), would shut the plan out, the search is
+    run again with that set. Else (the set leaves out what the plan holds there: partial
+    sums that wait for a combined collective) the program's budget (its target) is lowered
+    by the overshoot, and where a target proves infeasible, halfway back to the last target
+    that found a plan, up to ``attempts`` searches in all. (One lowering was not enough: on
+    a step of 8 tanh layers
+    with every layer recomputed, a target of 5.8 MiB gave a plan predicted at 7.1 MiB and
+    the lowered one none, while a target of 5.0 MiB gave one at 5.1 MiB.) Where the plan's
+    own rows sat below the lowered target too, they did not bind and the same plan would
+    come again: the target goes to those rows less the overshoot instead. (gpt-13b on 8
+    A100s, save_dots on every layer, with the reduce-scatter variants of an experiment: rows
+    at 31.72 GiB, the prediction 33.68, 0.15 over; the same plan came at targets 33.53,
+    33.38, 33.23 and 33.08.)"""
     target, infeasible, over, least = budget, 0.0, None, None
+    points: list[int] = []
     for _ in range(attempts):
         try:
             result = job.search(memory_budget=target, time_limit=options.time_limit,
-                                solver=options.solver, warm_start=warm)
+                                solver=options.solver, warm_start=warm, points=points)
         except InfeasibleError as err:
-            if over is None:  # even the program's own rows do not fit: nothing will
+            if over is None or target >= budget:
+                # even the program's own rows (lower bounds of the prediction) do not fit
                 return None, None if err.least is None else (
                     f"the least peak memory any assignment needs is {err.least}")
             infeasible, target = target, (target + over[0]) / 2
@@ -129,6 +137,10 @@ def search_under(job: IntraOp, budget: float, options: SearchOptions,
             return result, None
         least = peak if least is None else min(least, peak)
         over = (target, peak)
+        if result.stats.get("peak_point_held", 0.0) > target:
+            # the point's set holds more of this plan than the target: it shuts it out
+            points.append(result.stats["peak_point"])
+            continue
         lowered = target * budget / peak
         program_peak = result.stats.get("program_peak_bytes")
         if program_peak and program_peak <= lowered:

@@ -31,7 +31,7 @@ from spmd.search.encode import Encoding
 from spmd.sharding import Spec
 from spmd.trace.graph import Value
 
-__all__ = ["Prediction", "predict"]
+__all__ = ["Prediction", "predict", "predict_with_peak"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +109,12 @@ class Prediction:
 
 def predict(enc: Encoding, node_choice: Sequence[int]) -> Prediction:
     """Evaluate one plan (a root strategy per graph node, ``Encoding.node_choice``)."""
+    return predict_with_peak(enc, node_choice)[0]
+
+
+def predict_with_peak(enc: Encoding, node_choice: Sequence[int]) -> tuple[Prediction, int]:
+    """``predict``, and the program point where the plan's memory peaks (where a search
+    under a budget the plan exceeds looks closer: ``spmd.search.point_memory``)."""
     cg: CostGraph = enc.cg
     graph = cg.graph
     partitioner = cg.cost.partitioner
@@ -200,11 +206,14 @@ def predict(enc: Encoding, node_choice: Sequence[int]) -> Prediction:
     extra = [Buffer(min(at), max(at), float(cg.bytes_row(v, (dst,))[0]))
              for (v, dst), at in copies.items()]
     extra += _partial_results(cg, strategy, partials, combined_at, nbytes)
-    return Prediction(compute - memory - launch, comm, live.peak(nbytes, extra),
-                      {k: (c, b) for k, (c, b) in counts.items()},
-                      objective=compute + recompute + transfer + comm + tie_break,
-                      memory_time=memory, launch_time=launch, recompute_time=recompute,
-                      transfer_time=transfer)
+    totals = live.totals(nbytes, extra)  # at every program point, the step's end included
+    peak_at = int(np.argmax(totals))
+    prediction = Prediction(compute - memory - launch, comm, float(totals[peak_at]),
+                            {k: (c, b) for k, (c, b) in counts.items()},
+                            objective=compute + recompute + transfer + comm + tie_break,
+                            memory_time=memory, launch_time=launch, recompute_time=recompute,
+                            transfer_time=transfer)
+    return prediction, peak_at
 
 
 def _partial_results(cg: CostGraph, strategy: Sequence, partials: Sequence[tuple[int, Any, float]],
