@@ -109,14 +109,13 @@ def search_under(job: IntraOp, budget: float, options: SearchOptions,
     sums that wait for a combined collective) the program's budget (its target) is lowered
     by the overshoot, and where a target proves infeasible, halfway back to the last target
     that found a plan, up to ``attempts`` searches in all. (One lowering was not enough: on
-    a step of 8 tanh layers
-    with every layer recomputed, a target of 5.8 MiB gave a plan predicted at 7.1 MiB and
-    the lowered one none, while a target of 5.0 MiB gave one at 5.1 MiB.) Where the plan's
-    own rows sat below the lowered target too, they did not bind and the same plan would
-    come again: the target goes to those rows less the overshoot instead. (gpt-13b on 8
-    A100s, save_dots on every layer, with the reduce-scatter variants of an experiment: rows
-    at 31.72 GiB, the prediction 33.68, 0.15 over; the same plan came at targets 33.53,
-    33.38, 33.23 and 33.08.)"""
+    a step of 8 tanh layers with every layer recomputed, a target of 5.8 MiB gave a plan
+    predicted at 7.1 MiB and the lowered one none, while a target of 5.0 MiB gave one at
+    5.1 MiB.) Where the plan's own rows sat below the lowered target too, they did not bind
+    and the same plan would come again: the target goes to those rows less the overshoot
+    instead. (gpt-13b on 8 A100s, save_dots on every layer, with the reduce-scatter variants
+    of an experiment: rows at 31.72 GiB, the prediction 33.68, 0.15 over; the same plan
+    came at targets 33.53, 33.38, 33.23 and 33.08.)"""
     target, infeasible, over, least = budget, 0.0, None, None
     points: list[int] = []
     for _ in range(attempts):
@@ -213,8 +212,9 @@ def fit_memory(jaxpr, graph: Graph, inputs: Sequence[InputInfo], mesh: DeviceMes
             # repair of the seed, which keeps small inputs replicated, went over), or
             # nothing faster: keep it.
             result = dataclasses.replace(warm, constraints=job.constraints(warm))
+        recomputed = 0 if remat is None else sum(p is not None for p in remat.policies)
         probes.append({"remat": remat.summary() if remat is not None else "none",
-                       "recomputed": 0 if remat is None else sum(p is not None for p in remat.policies),
+                       "recomputed": recomputed,
                        "offload": moved.summary(leaves) if moved is not None else "none",
                        "fits": result is not None,
                        "peak_bytes": None if result is None else result.prediction.memory_bytes,
