@@ -128,6 +128,7 @@ def render(data: dict[str, Any]) -> str:
              *data.get("memory_notes", [])]
     probes = [[q["remat"], q.get("offload", "none"), "yes" if q["fits"] else "no",
                "" if q["peak_bytes"] is None else f"{q['peak_bytes'] / gib:.2f}",
+               "" if q.get("step_seconds") is None else f"{q['step_seconds'] * 1e3:.0f}",
                f"{q['seconds']:.0f}"] for q in data["probes"] or []]
     lines = [f"Command: `{data['command']}`", "",
              f"Machine: {common.machine_line(data['machine'])}. Date: {data['date']}.", "",
@@ -135,9 +136,10 @@ def render(data: dict[str, Any]) -> str:
                                    ["l", "l"]), "", *notes, ""]
     if probes:
         lines += ["The searches the memory fit ran, in order (each a full sharding search "
-                  "of the rewritten step under the budget):", "",
-                  common.markdown_table(["remat", "offload", "fits", "predicted GiB",
-                                         "seconds"], probes, ["l", "l", "l", "r", "r"]), ""]
+                  "of the rewritten step under the budget; the fastest that fits is the plan):",
+                  "", common.markdown_table(["remat", "offload", "fits", "predicted GiB",
+                                             "predicted ms", "seconds"], probes,
+                                            ["l", "l", "l", "r", "r", "r"]), ""]
     return "\n".join(lines)
 
 
