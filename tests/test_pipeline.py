@@ -304,11 +304,11 @@ def test_a_stage_that_recomputes_holds_less_and_trains_as_one_device(mesh):
     """Under a budget the plain pipeline's first stage is over, that stage recomputes its
     forward values in its backward task: its forward returns only the activation it sends,
     it holds what the prediction says (within 15%, less than as it ran without), and two
-    training steps give one device's losses. (Stage 1, which does not recompute, is not
-    held to 15% here: at batch 32 its backward program compiles with 23.4 MB or 38.3 MB of
+    training steps give one device's losses. (Stage 1, which does not recompute, is held to
+    35%, not 15%: at batch 32 its backward program compiles with 23.4 MB or 38.3 MB of
     temporaries for two assignments the search prices alike (58.3 MB predicted, 65.7 or
     80.6 MB compiled), the stages' known resharding gap at small batches; the schedule
-    test runs every stage at batch 128.)"""
+    test holds every stage to 15% at batch 128.)"""
     spec = zoo.get("gpt-tiny").with_config(d_model=256, head_dim=32, d_ff=1024,
                                            vocab_size=2048, seq_len=128, num_layers=4)
     batch = spec.batch(32, 0)
@@ -328,12 +328,15 @@ def test_a_stage_that_recomputes_holds_less_and_trains_as_one_device(mesh):
     pipeline = step._prepare((net, opt, batch)).executable.pipeline
     pipeline.measure = True
     losses = [float(step(net, opt, batch)["loss"]) for _ in range(2)]
-    temps = max(c.memory_analysis().temp_size_in_bytes
-                for task, c in pipeline.compiled().items() if task.startswith("stage 0"))
-    measured = pipeline.held[0] + temps
-    predicted = plan.stages[0].cost.memory(plan.schedule.in_flight(0))
-    assert predicted == pytest.approx(measured, rel=0.15), predicted
-    assert measured < kept[0]
+    measured = {}
+    for s, st in enumerate(plan.stages):
+        temps = max(c.memory_analysis().temp_size_in_bytes
+                    for task, c in pipeline.compiled().items() if task.startswith(f"stage {s}"))
+        measured[s] = pipeline.held[s] + temps
+        predicted = st.cost.memory(plan.schedule.in_flight(s))
+        assert predicted == pytest.approx(measured[s], rel=0.15 if s == 0 else 0.35), (
+            s, predicted)
+    assert measured[0] < kept[0]
     ref_net, ref_opt = spec.training_state()
     ref_step = nnx.jit(spec.train_step)
     np.testing.assert_allclose(losses, [float(ref_step(ref_net, ref_opt, batch)["loss"])

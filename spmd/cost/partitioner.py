@@ -58,11 +58,13 @@ import numpy as np
 from spmd.cluster.mesh import DeviceMesh
 from spmd.sharding import Spec
 
-__all__ = ["COLLECTIVE_KINDS", "COMBINED_KINDS", "Collective", "Partitioner"]
+__all__ = ["COLLECTIVE_KINDS", "COMBINED_KINDS", "PARTIAL_SUM_KINDS", "Collective", "Partitioner"]
 
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 #: kinds XLA combines into one op when independent (one per kind and axes)
 COMBINED_KINDS = ("all-reduce", "reduce-scatter")
+#: kinds that read a partial sum, a buffer of its own beside the op's result
+PARTIAL_SUM_KINDS = ("all-reduce", "reduce-scatter")
 #: operand bytes per device XLA:GPU combines into one collective at most
 #: (``kDefault{AllReduce,ReduceScatter}CombineThreshold``)
 GPU_COMBINE_THRESHOLD = 30 * 2**20 + 7

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from spmd.cost.partitioner import PARTIAL_SUM_KINDS
 from spmd.solver.request import Copy, copy_held
 from spmd.trace.graph import Value
 
@@ -91,6 +92,6 @@ def _partial_sums(enc: "Encoding", t: int) -> np.ndarray:
         s = enc.strategy_of(t, r)
         result = float(cg.bytes_row(Value(t, 0), (s.out_specs[0],))[0]) if s.out_specs else 0.0
         row[r] = sum(c.bytes for c in s.collectives
-                     if c.kind in ("all-reduce", "reduce-scatter")
+                     if c.kind in PARTIAL_SUM_KINDS
                      and ((off and combine_key(c) is not None) or c.bytes > result))
     return row

@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from spmd.cost.partitioner import COLLECTIVE_KINDS
+from spmd.cost.partitioner import COLLECTIVE_KINDS, PARTIAL_SUM_KINDS
 from spmd.memory.liveness import Buffer
 from spmd.memory.offload import destination
 from spmd.memory.remat import is_recomputed
@@ -163,7 +163,7 @@ def predict_with_peak(enc: Encoding, node_choice: Sequence[int]) -> tuple[Predic
             if key is not None:
                 combined_at[key] = n.id
             row[1] += c.bytes * n.repeat
-            if c.kind in ("all-reduce", "reduce-scatter"):
+            if c.kind in PARTIAL_SUM_KINDS:
                 partials.append((n.id, key, c.bytes))
     comm += sum(lat for lat, members in cg.charges if any(m in picked for m in members))
     # Reshards: once per (value, target spec, loop level), as XLA reshards a value, and
