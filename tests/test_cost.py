@@ -215,6 +215,37 @@ def test_reshard_bf16_on_cpu_runs_in_f32():
     assert _hlo_collectives(text) == [("all-gather", 1024.0), ("all-gather", 2048.0)]
 
 
+SPREADS = [  # mesh, the summed axes (splitting the contraction and the result's first
+    # dim), whether XLA spreads the result over the free axes
+    ({"data": 4, "model": 2}, "model", True),  # data's 4 devices hold model's 2
+    ({"data": 2, "model": 4}, "data", True),  # model's 4 hold data's 2
+    ({"data": 2, "model": 4}, "model", False),  # data's 2 cannot hold model's 4
+    (M3, ("a", "b"), False),  # c's 2 cannot hold 4
+    (M3, "a", True),  # b and c hold a's 2
+]
+
+
+@pytest.mark.parametrize("axes,summed,spreads", SPREADS, ids=[
+    f"{s}@{'x'.join(map(str, a.values()))}" for a, s, _ in SPREADS])
+def test_dot_spreads_a_scattered_partial_sum_over_free_axes(axes, summed, spreads):
+    """A weight gradient (x^T y over a batch split on ``summed``) wanted split on ``summed``
+    too: where the other axes hold a multiple of its devices, XLA's dot handler computes
+    each device's piece on them, all-reduces it and permutes it into place; elsewhere it
+    all-reduces the whole result and slices (XLA:GPU's reduce-scatter)."""
+    mesh = _jax_mesh(axes)
+    split = NamedSharding(mesh, P(summed, None))
+    x = jax.ShapeDtypeStruct((64, 32), jnp.float32, sharding=split)
+    y = jax.ShapeDtypeStruct((64, 16), jnp.float32, sharding=split)
+    text = jax.jit(lambda x, y: x.T @ y, out_shardings=split).lower(x, y).compile().as_text()
+    partitioner = CostModel(make_mesh(axes)).partitioner
+    out = from_partition_spec(P(summed, None), 2)
+    sum_axes = out[0]
+    cs = partitioner.partial_sum((32, 16), jnp.float32, out, sum_axes, spread=True)
+    assert sorted((c.kind, c.bytes) for c in cs) == _hlo_collectives(text)
+    assert bool(partitioner.spread_axes(out, sum_axes)) == spreads
+    assert ("collective-permute" in {c.kind for c in cs}) == spreads
+
+
 def test_partial_sum_matches_xla():
     """x (8, 64) split on its contracting dim over model, w (64, 16) likewise: a partial sum."""
     mesh = _jax_mesh(M2)

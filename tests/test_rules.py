@@ -158,7 +158,16 @@ def test_dot_general_key_strategies():
     # two axes on the contracting dim: one all-reduce over both
     both = by_specs(ss, [((), ("data", "model")), (("data", "model"), ())], [((), ())])
     assert both.collectives == (Collective("all-reduce", ("data", "model"), f32(B * H)),)
-    assert len(ss) == 19
+    # contracting dim on data, the result wanted split on data too: model's 4 devices hold
+    # data's 2, so XLA computes each device's piece there, all-reduces it over data and
+    # permutes it into place (Partitioner.spread_axes); the two output dims, two variants
+    spread = by_specs(ss, [((), D), (D, ())], [(D, ())])
+    piece = f32(B * H / 2)
+    assert spread.collectives == (Collective("all-reduce", D, piece),
+                                  Collective("collective-permute", ("data", "model"), piece))
+    assert spread.flops == full / 4
+    assert by_specs(ss, [((), D), (D, ())], [((), D)]).flops == full / 4
+    assert len(ss) == 19 + 2
 
 
 def test_dot_general_batched_and_counts():

@@ -24,6 +24,11 @@ XLA:GPU merges only up to ``combine_threshold`` bytes of operands into one (its 
 30 MiB): a large model's gradients go in many groups, each waiting only for its own
 members, where XLA:CPU's single group holds every partial gradient until the last.
 
+**A dot's scattered partial sum.** Where a dot's result, partial over some axes, is wanted
+split on them too, and axes that neither sum nor split it hold a multiple of their devices,
+XLA's dot handler spreads the result over those instead: it all-reduces one piece per device
+and permutes it into place (``Partitioner.spread_axes``), on every platform.
+
 ``Partitioner.reshard`` predicts what the partitioner emits for a sharding change (checked
 against compiled HLO on 8 CPU devices in tests/test_cost.py), in this order of rules:
 
@@ -125,7 +130,7 @@ class Partitioner:
 
     # -- partial sums -----------------------------------------------------------------------
     def partial_sum(self, shape: Sequence[int], dtype, out_spec: Spec,
-                    sum_axes) -> tuple[Collective, ...]:
+                    sum_axes, spread: bool = False) -> tuple[Collective, ...]:
         """What finishes a result that is a partial sum over ``sum_axes`` (a split contraction).
 
         Summed axes that ``out_spec`` also splits the result on become a reduce-scatter
@@ -133,16 +138,30 @@ class Partitioner:
         bytes of the result under ``out_spec``. On CPU, XLA all-reduces the unscattered result
         over every summed axis, then slices locally.
 
+        ``spread`` (a dot): where the result is scattered over every summed axis and
+        ``spread_axes`` finds axes to spread it over, XLA's dot handler computes each
+        device's piece there, all-reduces it over the summed axes and collective-permutes it
+        into place (B = the piece, for both), on every platform: no reduce-scatter.
+
         >>> from spmd.cluster.mesh import make_mesh
         >>> Partitioner(make_mesh({"data": 2, "model": 4})).partial_sum(
         ...     (8, 16), "float32", ((), ()), ("model",))
         (Collective(kind='all-reduce', axes=('model',), bytes=512.0),)
+        >>> Partitioner(make_mesh({"data": 4, "model": 2})).partial_sum(
+        ...     (8, 16), "float32", (("model",), ()), ("model",), spread=True)
+        (Collective(kind='all-reduce', axes=('model',), bytes=256.0), \
+Collective(kind='collective-permute', axes=('model', 'data'), bytes=256.0))
         """
         sum_axes = self.active(sum_axes)
         out = self._strip(out_spec)
         used = {a for d in out for a in d}
         scatter = tuple(a for a in sum_axes if a in used)
         reduce = tuple(a for a in sum_axes if a not in used)
+        spread_over = self.spread_axes(out_spec, sum_axes) if spread else ()
+        if spread_over:
+            piece = self._bytes(shape, dtype, out)
+            return (Collective("all-reduce", sum_axes, piece),
+                    Collective("collective-permute", scatter + spread_over, piece))
         before = [tuple(a for a in d if a not in scatter) for d in out]
         if scatter and self.platform == "cpu":
             return (Collective("all-reduce", sum_axes, self._bytes(shape, dtype, before)),)
@@ -152,6 +171,29 @@ class Partitioner:
         if reduce:
             colls.append(Collective("all-reduce", reduce, self._bytes(shape, dtype, out)))
         return tuple(colls)
+
+    def spread_axes(self, out_spec: Spec, sum_axes) -> tuple[str, ...]:
+        """The axes XLA's dot handler spreads a scattered partial sum over instead, or ().
+
+        A dot whose result is partial over ``sum_axes`` and split on all of them by
+        ``out_spec`` has its operands replicated over the axes that neither sum nor split
+        (their slots hold no axis). Where those hold a multiple of the summed group's
+        devices, XLA slices the operands over them (free), so each device computes only its
+        piece of the result, and all-reduces that piece over the summed axes, then permutes
+        it to the device ``out_spec`` puts it on. Seen in compiled HLO on 4x2, 4x4 and 8x8
+        meshes (tests/test_cost.py); on 2x4, scattered over ``data`` of 2 with ``model`` of 4
+        free, too; scattered over ``model`` of 4 with ``data`` of 2 free, not (the
+        all-reduce and slice of a reduce-scatter)."""
+        sum_axes = self.active(sum_axes)
+        out = self._strip(out_spec)
+        used = {a for d in out for a in d}
+        if not sum_axes or any(a not in used for a in sum_axes):
+            return ()
+        free = tuple(a for a in self._sizes if self._sizes[a] > 1
+                     and a not in used and a not in sum_axes)
+        if not free or self.group_size(free) % self.group_size(sum_axes):
+            return ()
+        return free
 
     # -- resharding -------------------------------------------------------------------------
     def reshard(self, shape: Sequence[int], dtype, src: Spec, dst: Spec) -> tuple[Collective, ...]:

@@ -159,7 +159,8 @@ class RuleContext:
     # -- collectives ---------------------------------------------------------------------
 
     def partial_sum(self, shape: Sequence[int], dtype: Any, out_spec: Spec,
-                    groups: Iterable[Sequence[str]]) -> tuple[Collective, ...]:
+                    groups: Iterable[Sequence[str]], spread: bool = False
+                    ) -> tuple[Collective, ...]:
         """What finishes a result that is partial over the axes of each summed dim.
 
         ``groups`` holds, for each split dim that was summed away (contracting, reduced,
@@ -167,7 +168,8 @@ class RuleContext:
         collective (checked in tests/test_rules.py: two contracting dims split on ``data``
         and ``model`` give two all-reduces, one dim split on both gives one), so each group
         is one call of the partitioner, which picks the platform's collective: an
-        all-reduce, or a reduce-scatter for the axes ``out_spec`` also splits on.
+        all-reduce, or a reduce-scatter for the axes ``out_spec`` also splits on (``spread``:
+        a dot's, ``Partitioner.partial_sum``).
 
         >>> RuleContext({"model": 4}).partial_sum((8, 16), "float32", ((), ()), [("model",)])
         (Collective(kind='all-reduce', axes=('model',), bytes=512.0),)
@@ -175,7 +177,8 @@ class RuleContext:
         out: list[Collective] = []
         for axes in groups:
             if axes:
-                out.extend(self.partitioner.partial_sum(shape, dtype, out_spec, self.ordered(axes)))
+                out.extend(self.partitioner.partial_sum(shape, dtype, out_spec, self.ordered(axes),
+                                                         spread))
         return tuple(out)
 
 

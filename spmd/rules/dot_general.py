@@ -71,13 +71,17 @@ def dot_general_strategies(op: Op, ctx: RuleContext) -> list[Strategy]:
             continue
         # Reduce-scatter variants: the summed axes also split one unsplit output dim. Kept
         # only where the platform communicates differently (else: all-reduce + free slice),
-        # unless the context keeps every one (``RuleContext.every_scatter``).
+        # unless the context keeps every one (``RuleContext.every_scatter``). Where XLA
+        # spreads the result over free axes instead (``Partitioner.spread_axes``), each
+        # device computes only its piece.
         for d in range(n_out):
             if not out[d] and out_shape[d] % ctx.size(summed) == 0:
                 scattered = out[:d] + (summed,) + out[d + 1:]
-                colls = ctx.partial_sum(out_shape, out_dtype, scattered, groups)
+                colls = ctx.partial_sum(out_shape, out_dtype, scattered, groups, spread=True)
                 if colls != reduced or ctx.every_scatter:
-                    variants.append(make(ins, (scattered,), colls, flops))
+                    spread = ctx.partitioner.spread_axes(scattered, summed)
+                    variants.append(make(ins, (scattered,), colls,
+                                         flops / ctx.size(summed) if spread else flops))
                     saved.append(ctx.size(summed) * sum(c.bytes for c in reduced))
     # When they do not all fit, keep the variants that save the most: a partial sum over the
     # most devices, of the largest result (a weight gradient reduced over every axis).
