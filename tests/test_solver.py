@@ -12,6 +12,7 @@ from spmd.options import SolverOptions
 from spmd.solver import SolverRequest, evaluate, memory_peak, reduce, rescale, solve, validate
 from spmd.solver.cpsat import OutOfTime, build
 from spmd.solver.eliminate import eliminate
+from spmd.solver.fit_seed import fitting_seed
 from spmd.solver.local_search import local_search
 from spmd.solver.min_sum import min_sum_seed
 
@@ -141,6 +142,30 @@ def test_memory_budget_forces_smaller_strategy():
     assert res.choice == [1, 1] and res.objective == pytest.approx(2.0)
     req.memory_budget = None
     assert solve(req).choice == [0, 0]
+
+
+def test_when_no_start_fits_memory_priced_as_time_makes_one_that_does():
+    """Four nodes live together, each fast and big (10 bytes) or slower and small; the
+    budget holds two big ones. Every start of the solver takes the fast strategies (40
+    bytes). Pricing the set's memory makes a fitting plan that keeps the node whose small
+    strategy costs most, and with no CP-SAT to follow it is the answer; CP-SAT improves it
+    to the optimum (the two cheapest switched)."""
+    slower = [1.0, 2.0, 4.0, 100.0]
+    req = request([[10.0, 10.0 + c] for c in slower], node_memory=[[10.0, 0.0]] * 4,
+                  liveness=[[0, 1, 2, 3]], memory_budget=25.0)
+    seeding = reduce(req).pairwise(split=False)
+    fast = [0, 0, 0, 0]
+    assert memory_peak(req, fast) > 25.0
+    fit = fitting_seed(req, seeding, fast, lambda c: evaluate(req, c), time.perf_counter() + 5)
+    assert fit is not None and memory_peak(req, fit) <= 25.0
+    assert fit[3] == 0  # the expensive one stays big
+    res = solve(req, SolverOptions(refine=False))
+    assert memory_peak(req, res.choice) <= 25.0 and res.choice[3] == 0
+    best = solve(req)
+    assert best.choice == [1, 1, 0, 0] and best.objective == pytest.approx(brute_force(req)[0])
+    # nothing to price without a budget
+    req.memory_budget = None
+    assert fitting_seed(req, seeding, fast, lambda c: evaluate(req, c), time.perf_counter() + 5) is None
 
 
 def test_per_set_rows_charge_a_node_what_is_live_at_that_point():

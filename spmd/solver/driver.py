@@ -12,9 +12,10 @@ Min-sum diffusion (``spmd.solver.min_sum``) runs first: it decodes a plan that s
 paid far downstream, and proves a lower bound on every plan (the dual of the LP relaxation).
 A fast local search (spanning-tree dynamic programs, coordinate descent) improves it and
 other starts (every group's first strategy, greedy, every group's last / cheapest strategy,
-the warm start). A seed within ``SolverOptions.gap`` of the bound is returned as it is:
-CP-SAT could only confirm it. Otherwise CP-SAT starts from the best seed as a complete hint
-and stops once no plan better by ``stall_gain`` came for a short window; large models get
+the warm start); where the cheapest of them is over the memory budget, memory priced as time
+makes a fitting one near it (``spmd.solver.fit_seed``). A seed within ``SolverOptions.gap``
+of the bound is returned as it is: CP-SAT could only confirm it. Otherwise CP-SAT starts
+from the best seed as a complete hint and stops once no plan better by ``stall_gain`` came for a short window; large models get
 one presolve round or none (``SolverOptions``), as on 2 cores presolve alone outlasts a
 limit of seconds. Measured on 2 cores: a planner-like 2,000-node / 3,000-edge request
 (4-30 strategies) returns in ~8 s with a 10 s limit, 2% above the bound (CP-SAT's own LP
@@ -47,6 +48,7 @@ import numpy as np
 from spmd.errors import InfeasibleError, SolverTimeoutError
 from spmd.options import SolverOptions
 from spmd.solver.cpsat import OutOfTime, Scaled, build, memory_unit, rescale, run
+from spmd.solver.fit_seed import fitting_seed
 from spmd.solver.local_search import local_search
 from spmd.solver.min_sum import min_sum_seed
 from spmd.solver.request import (Reduced, SolverRequest, SolverResult, evaluate, memory_peak,
@@ -140,6 +142,7 @@ def solve(request: SolverRequest, options: SolverOptions = SolverOptions()) -> S
         starts += [lambda: warm, lambda: local_search(
             seeding, deadline=max(deadline, time.perf_counter() + extra), start=warm)]
     scored: list[tuple[float, int, list[int]]] = []
+    over: tuple[float, list[int]] | None = None  # the cheapest start over the memory budget
     for i, make in enumerate(starts):
         if scored and _within_gap(scored[0][0], proven, gap):
             break
@@ -148,6 +151,20 @@ def solve(request: SolverRequest, options: SolverOptions = SolverOptions()) -> S
             value = exact(seed)
             if _admissible(request, prob, seed, value):
                 scored.append((value, i, seed))
+                scored.sort()
+            elif (_admissible(request, prob, seed, value, memory=False)
+                  and (over is None or value < over[0])):
+                over = (value, seed)
+    if over is not None and (not scored or over[0] < scored[0][0]):
+        # The cheapest start is over the budget: from it, price memory until it fits
+        # (``fit_seed``), a start near it for CP-SAT, which else repairs one or starts from a
+        # fitting start far from it.
+        fit = fitting_seed(request, seeding, over[1], exact,
+                           deadline=max(deadline, time.perf_counter() + 0.25 * window))
+        if fit is not None:
+            value = exact(fit)
+            if _admissible(request, prob, fit, value):
+                scored.append((value, -1, fit))  # the solver's own: CP-SAT's hint
                 scored.sort()
 
     def best_seed(timed_out: bool, stalled: bool = False, built=None) -> SolverResult:
@@ -213,12 +230,14 @@ def _within_gap(value: float, bound: float, gap: float) -> bool:
     return math.isfinite(value) and value - bound <= gap * abs(value)
 
 
-def _admissible(r: SolverRequest, prob: Reduced, choice: Sequence[int], value: float) -> bool:
+def _admissible(r: SolverRequest, prob: Reduced, choice: Sequence[int], value: float,
+                memory: bool = True) -> bool:
     """A seed CP-SAT may start from: tied nodes agree, nothing forbidden (``value`` is its
-    ``evaluate``), and it fits the memory budget."""
+    ``evaluate``), and (``memory``) it fits the memory budget."""
     return (all(choice[v] == choice[prob.groups[g]] for v, g in enumerate(prob.group_of))
             and math.isfinite(value)
-            and (r.memory_budget is None or memory_peak(r, choice) <= r.memory_budget))
+            and (not memory or r.memory_budget is None
+                 or memory_peak(r, choice) <= r.memory_budget))
 
 
 def _explain_infeasible(r: SolverRequest, prob: Reduced, scaled: Scaled,
