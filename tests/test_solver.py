@@ -144,7 +144,7 @@ def test_memory_budget_forces_smaller_strategy():
     assert solve(req).choice == [0, 0]
 
 
-def test_when_no_start_fits_memory_priced_as_time_makes_one_that_does():
+def test_memory_priced_as_time_makes_a_fitting_start_from_the_cheapest():
     """Four nodes live together, each fast and big (10 bytes) or slower and small; the
     budget holds two big ones. From the fast plan (40 bytes), pricing the set's memory makes
     a fitting plan that keeps the node whose small strategy costs most; the solver's optimum
@@ -162,7 +162,8 @@ def test_when_no_start_fits_memory_priced_as_time_makes_one_that_does():
     assert best.choice == [1, 1, 0, 0] and best.objective == pytest.approx(brute_force(req)[0])
     # nothing to price without a budget
     req.memory_budget = None
-    assert fitting_seed(req, seeding, fast, lambda c: evaluate(req, c), time.perf_counter() + 5) is None
+    assert fitting_seed(req, seeding, fast, lambda c: evaluate(req, c),
+                        time.perf_counter() + 5) is None
 
 
 def test_per_set_rows_charge_a_node_what_is_live_at_that_point():

@@ -13,14 +13,14 @@ paid far downstream, and proves a lower bound on every plan (the dual of the LP 
 A fast local search (spanning-tree dynamic programs, coordinate descent) improves it and
 other starts (every group's first strategy, greedy, every group's last / cheapest strategy,
 the warm start); where the cheapest of them is over the memory budget and those that fit are
-dearer, memory priced as time makes a fitting one near it (``spmd.solver.fit_seed``). A seed within ``SolverOptions.gap``
-of the bound is returned as it is: CP-SAT could only confirm it. Otherwise CP-SAT starts
-from the best seed as a complete hint and stops once no plan better by ``stall_gain`` came
-for a short window; large models get one presolve round or none (``SolverOptions``), as on
-2 cores presolve alone outlasts a limit of seconds. Measured on 2 cores: a planner-like
-2,000-node / 3,000-edge request (4-30 strategies) returns in ~8 s with a 10 s limit, 2% above
-the bound (CP-SAT's own LP bound left it 13% below); a 24-layer GPT's request in ~3 s, 0.1%
-above it.
+dearer, memory priced as time makes a fitting one near it (``spmd.solver.fit_seed``). A seed
+within ``SolverOptions.gap`` of the bound is returned as it is: CP-SAT could only confirm
+it. Otherwise CP-SAT starts from the best seed as a complete hint and stops once no plan
+better by ``stall_gain`` came for a short window; large models get one presolve round or
+none (``SolverOptions``), as on 2 cores presolve alone outlasts a limit of seconds.
+Measured on 2 cores: a planner-like 2,000-node / 3,000-edge request (4-30 strategies)
+returns in ~8 s with a 10 s limit, 2% above the bound (CP-SAT's own LP bound left it 13%
+below); a 24-layer GPT's request in ~3 s, 0.1% above it.
 
 This module drives the solver: ``solve`` (seeding, running CP-SAT, explaining an infeasible
 request). The request and result types with ``validate``, ``evaluate`` and ``memory_peak``
