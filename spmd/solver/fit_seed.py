@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from spmd.solver.local_search import local_search
-from spmd.solver.request import Reduced, SolverRequest, copy_held
+from spmd.solver.request import Reduced, SolverRequest, copy_targets, set_bytes
 
 __all__ = ["fitting_seed"]
 
@@ -51,10 +51,7 @@ def fitting_seed(request: SolverRequest, seeding: Reduced, start: Sequence[int],
     for _ in range(ROUNDS):
         if time.perf_counter() > deadline:
             return None
-        held = np.array([sum(float(row[choice[seeding.groups[g]]]) for g, row in terms)
-                         + sum(copy_held(term, choice) for term in held_copies)
-                         for terms, held_copies in zip(rows, copies)])
-        over = held > budget
+        over = np.array(set_bytes(request, choice)) > budget
         if not over.any():
             return choice
         price[over] = np.maximum(2 * price[over], unit)
@@ -76,8 +73,7 @@ def _charge_copy(unary: list[np.ndarray], prob: Reduced, term, choice: Sequence[
     """Charge one copy where ``choice`` holds it (the module docstring)."""
     producer, nbytes, before, after = term
     nbytes = np.asarray(nbytes, dtype=float)
-    wanted = ({int(t[choice[v]]) for v, t in before} & {int(t[choice[v]]) for v, t in after})
-    for d in wanted:
+    for d in copy_targets(term, choice):
         unary[prob.group_of[producer]] += price * nbytes[:, d]
         held = price * nbytes[choice[producer], d]
         for v, targets in (*before, *after):

@@ -25,7 +25,8 @@ import numpy as np
 from spmd.errors import PlanError
 
 __all__ = ["Copy", "Fanout", "Reduced", "SolverRequest", "SolverResult", "add_pair",
-           "copy_held", "evaluate", "memory_peak", "reduce", "validate"]
+           "copy_held", "copy_targets", "evaluate", "memory_peak", "reduce", "set_bytes",
+           "validate"]
 
 #: (producer node, costs[producer strategy][target], [(consumer node, target per strategy)])
 Fanout = tuple[int, Sequence[Sequence[float]], list[tuple[int, Sequence[int]]]]
@@ -366,19 +367,30 @@ def evaluate(request: SolverRequest, choice: Sequence[int]) -> float:
     return float(total)
 
 
+def copy_targets(term: Copy, choice: Sequence[int]) -> set[int]:
+    """The targets of one ``Copy`` that readers on both sides of its point want under
+    ``choice`` (a strategy per node): those it holds a copy in, where its producer differs."""
+    _, _, before, after = term
+    return {int(t[choice[v]]) for v, t in before} & {int(t[choice[v]]) for v, t in after}
+
+
 def copy_held(term: Copy, choice: Sequence[int]) -> float:
     """Bytes of one ``Copy`` live at its point under ``choice`` (a strategy per node)."""
-    producer, nbytes, before, after = term
-    wanted = ({int(t[choice[v]]) for v, t in before} & {int(t[choice[v]]) for v, t in after})
-    return sum(float(nbytes[choice[producer]][d]) for d in wanted)
+    producer, nbytes = term[:2]
+    return sum(float(nbytes[choice[producer]][d]) for d in copy_targets(term, choice))
+
+
+def set_bytes(request: SolverRequest, choice: Sequence[int]) -> list[float]:
+    """Bytes per device each liveness set holds under ``choice``: its members' and copies'."""
+    return [sum(row[choice[v]] for v, row in request.set_terms(i))
+            + sum(copy_held(term, choice) for term in request.copy_terms(i))
+            for i in range(len(request.liveness))]
 
 
 def memory_peak(request: SolverRequest, choice: Sequence[int]) -> float:
     """Largest bytes per device over the liveness sets under ``choice`` (0 without sets)."""
     _check_choice(request, choice, "memory_peak")
-    return max((sum(row[choice[v]] for v, row in request.set_terms(i))
-                + sum(copy_held(term, choice) for term in request.copy_terms(i))
-                for i in range(len(request.liveness))), default=0.0)
+    return max(set_bytes(request, choice), default=0.0)
 
 
 # -- the reduced problem -------------------------------------------------------------------
