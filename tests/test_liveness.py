@@ -82,6 +82,32 @@ def test_a_cheap_value_is_remade_in_its_fusible_readers():
     assert remade["exp"] == first["exp"] and first["exp"][1] > dots[1]
 
 
+
+def test_a_chain_of_cheap_ops_from_one_value_is_remade_from_it():
+    """GELU's backward reads ``3 * x**2``, made from the matmul's result ``x`` by two cheap
+    ops: it is not held from the forward pass to there; ``x`` is, for as long as the
+    readers that make it again need it (XLA's fusion: moe-tiny's experts on cpu-8)."""
+    from spmd.search.fusion import REMAKING
+
+    def step(a, w):
+        x = a @ w
+        slope = 3.0 * x ** 2  # read again by the backward's fusible ops only
+        h = jnp.tanh(x) @ w
+        return (h * slope).sum()
+
+    g = build_graph(jax.make_jaxpr(step)(jnp.ones((64, 64)), jnp.ones((64, 64))))
+    written = {v.node: (a, b) for v, a, b in Liveness(g, donated=set()).intervals}
+    remade = {v.node: (a, b) for v, a, b in
+              Liveness(g, donated=set(), remaking=REMAKING).intervals}
+    x, dot2 = [n.id for n in g.nodes if n.kind == "op" and n.op.primitive == "dot_general"]
+    slope = next(n.id for n in g.nodes if n.kind == "op" and n.op.primitive == "mul"
+                 and n.operands[0] is None)
+    last = written[slope][1]  # the product with h, where the backward reads it
+    assert written[slope][0] == slope and last > dot2  # held across the matmul as written
+    assert remade[slope][0] > remade[slope][1]  # never in memory: made where it is read
+    # x held for it instead, to its reader (whose result may take x's place there)
+    assert written[x][1] < dot2 <= remade[x][1] == last - 1
+
 def test_on_xla_cpu_a_copy_between_memories_is_its_operands_buffer():
     """XLA:CPU's host memory is the devices': an offloaded step holds what the step as
     written holds there (its copies forwarded), and less on a GPU (its host values out)."""

@@ -4,12 +4,12 @@ Every array value of the op graph is live from the node that produces it to its 
 consumer (program order = jaxpr order, as XLA's buffer assignment roughly schedules it);
 step inputs live throughout unless an output aliases them (donated: they die at their last
 use, while their new value lives to the end); constants live throughout. A cheap
-elementwise value whose operands outlive it is not kept for its later fusible readers: XLA's
-fusion computes it again inside each such reader's kernel (the primitives it does this for
-are handed over as ``Remaking``: ``spmd.search.fusion.DUPLICABLE``), so it lives only as long
-as a matmul or another reader that cannot fuse it needs it (e.g. the backward pass's GELU
-pieces, remade from the saved pre-activation). This module knows
-nothing about strategies: callers hand it the bytes each value takes per device (under one
+elementwise value is not kept for its later fusible readers: XLA's fusion computes it again
+inside each such reader's kernel from values it holds anyway or holds for them instead (the
+primitives it does this for are handed over as ``Remaking``:
+``spmd.search.fusion.DUPLICABLE``), so it lives only as long as a matmul or another reader
+that cannot fuse it needs it (e.g. the backward pass's GELU pieces, remade from the saved
+pre-activation). This module knows nothing about strategies: callers hand it the bytes each value takes per device (under one
 plan, or under each strategy of its group). Values in host memory (``spmd.memory.offload``)
 take no device memory and are left out, where the platform has a host memory of its own;
 on XLA:CPU they are device memory, and a copy between the two memories is no buffer of its
@@ -103,7 +103,7 @@ class Liveness:
         if forwarded:
             out = _forward(graph, out, forwarded)
         if remaking is not None:
-            out = _duplicated_at_readers(graph, out, remaking)
+            out = _duplicated_at_readers(graph, out, remaking, fused)
         self.intervals = out
         #: each value's index into ``intervals``
         self.position = {v: i for i, (v, _, _) in enumerate(out)}
@@ -180,17 +180,25 @@ def _forward(graph: Graph, intervals: list[tuple[Value, int, int]],
 
 
 def _duplicated_at_readers(graph: Graph, intervals: list[tuple[Value, int, int]],
-                           remaking: Remaking) -> list[tuple[Value, int, int]]:
+                           remaking: Remaking,
+                           fused: frozenset[Value]) -> list[tuple[Value, int, int]]:
     """``intervals`` with each value XLA's fusion remakes in its later readers' kernels
     kept in memory only as long as a reader that cannot fuse it needs it: a ``DUPLICABLE``
-    op's result that is no step output nor read across a loop boundary, whose every operand
-    is a constant or a value kept in memory at least as long (not itself remade: a chain of
-    remade values is not counted as remade again, which matched XLA:CPU's buffers on cpu-8,
-    where counting chains fell 14% under them). It lives from where it is made to its last
-    reader that is no fusible op (a matmul reads it from memory), or, read only by fusible
-    ops, only at its last reader (made inside that kernel)."""
+    op's result that is no step output nor read across a loop boundary. It lives from where
+    it is made to its last reader that is no fusible op (a matmul reads it from memory), or,
+    read only by fusible ops, only at its last reader (made inside that kernel).
+
+    Which results, as XLA's fusion weighs duplication (``ComputeGloballyUnfusible``):
+    one whose distinct operands hold no more elements than it (a unary op, a product of
+    broadcasts) is remade from the values its chain of such ops starts from, which are held
+    as long as its readers need them (GELU's ``3 x^2`` from ``x``; moe-tiny's dispatch
+    masks from the small arrays they broadcast); such an operand fused inside one kernel
+    counts only where the op grows it. One with larger operands (a sum of two arrays) is
+    remade only where each operand is a constant or kept in memory at least as long, and
+    not remade itself: counting chains of those fell 14% under XLA:CPU's buffers on cpu-8.
+    ``fused``: the values never in memory (``Liveness``)."""
     end_all = len(graph.nodes)
-    kept = {v: b for v, _, b in intervals}  # value -> the last point it is in memory
+    spans = {v: [a, b] for v, a, b in intervals}
     crosses, unfused = set(), {}  # read across a loop boundary; last reader it can't fuse into
     for n in graph.nodes:
         for u in n.operands:
@@ -200,17 +208,34 @@ def _duplicated_at_readers(graph: Graph, intervals: list[tuple[Value, int, int]]
                 crosses.add(u)
             elif n.kind != "op" or n.op.primitive not in remaking.fusible:
                 unfused[u] = n.id
-    out = []
-    for v, start, end in intervals:
+    heads: dict[Value, frozenset[Value]] = {}  # remade by a chain -> the values it is made of
+    remade: set[Value] = set()
+    for v, _, end in intervals:
         n = graph.nodes[v.node]
-        if (n.kind == "op" and n.op.primitive in remaking.duplicable and end < end_all
-                and v not in crosses
-                and all(u is None or graph.nodes[u.node].kind == "const"
-                        or kept.get(u, -1) >= end for u in n.operands)):
-            if v in unfused:
-                end = kept[v] = unfused[v]
-            else:
-                start = end
-                del kept[v]  # never in memory: a reader of it reads its operands
-        out.append((v, start, end))
-    return out
+        if not (n.kind == "op" and n.op.primitive in remaking.duplicable and end < end_all
+                and v not in crosses):
+            continue
+        ins = list(dict.fromkeys(u for u in n.operands
+                                 if u is not None and graph.nodes[u.node].kind != "const"))
+        read = sum(int(np.prod(graph.value_shape(u))) for u in ins)
+        made = int(np.prod(graph.value_shape(v)))
+        if ins and read <= made and all(
+                u in heads or (u not in remade and (u not in fused or read < made))
+                for u in ins):
+            heads[v] = frozenset().union(*(heads.get(u, {u}) for u in ins))
+            for source in heads[v]:
+                if source in spans and graph.nodes[source.node].kind != "input":
+                    # held for the readers that make v again, to the last one, whose result
+                    # XLA may write in its place (a step input is held to the end, or,
+                    # donated, to the update that writes its new value in its place)
+                    spans[source][1] = max(spans[source][1], end - 1)
+        elif not all(u not in remade and spans.get(u, (0, -1))[1] >= end for u in ins):
+            continue
+        remade.add(v)
+        if v in unfused:
+            spans[v][1] = unfused[v]
+        elif v in heads:  # never in memory: its readers read what it is made of
+            spans[v] = [end + 1, end]
+        else:  # made inside its last reader's kernel, from its operands
+            spans[v][0] = end
+    return [(v, *spans[v]) for v, _, _ in intervals]
