@@ -44,15 +44,15 @@ def test_fsdp_with_every_layer_recomputed_keeps_a_fraction_of_its_peak(gpt):
     the step), and the masked attention scores are recomputed too (their ops come from
     jnp.where's call).
 
-    The ratio is 0.74 (3.21 of 4.35 GB): the fastest scoring of the recomputed step gathers
+    The ratio is 0.75 (3.08 of 4.08 GB): the fastest scoring of the recomputed step gathers
     the logits' gradient for the output projection's backward, a 1.6 GiB copy that no block
     holds and remat leaves. Under half the plain peak, FSDP's inputs pinned, the search
     trades it away: the set of the point where a plan peaks holds the copies live there
     (``spmd.search.point_memory``; before, the least it found was 3.02 GiB). And it pays
     little time for it: the cheapest start is over the budget, so memory priced as time makes
-    a fitting one near it (``spmd.solver.fit_seed``): 78-82 ms at 1.7-1.9 GiB against the
-    recomputed FSDP scoring's 77 ms at 3.0 GiB (137 ms before, CP-SAT starting from the
-    fitting start it had, far from the cheapest)."""
+    a fitting one near it (``spmd.solver.fit_seed``, four rounds of local moves): 75 ms at
+    1.8 GB against the recomputed FSDP scoring's 77 ms at 3.1 GB (137 ms without it, CP-SAT
+    starting from the fitting start it had, far from the cheapest)."""
     mesh = spmd.load_mesh("a100-8x8", virtual=True)
     graph = build_graph(gpt.jaxpr)
     layers = block_count(graph)
