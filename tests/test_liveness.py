@@ -82,7 +82,6 @@ def test_a_cheap_value_is_remade_in_its_fusible_readers():
     assert remade["exp"] == first["exp"] and first["exp"][1] > dots[1]
 
 
-
 def test_a_chain_of_cheap_ops_from_one_value_is_remade_from_it():
     """GELU's backward reads ``3 * x**2``, made from the matmul's result ``x`` by two cheap
     ops: it is not held from the forward pass to there; ``x`` is, for as long as the
@@ -107,6 +106,31 @@ def test_a_chain_of_cheap_ops_from_one_value_is_remade_from_it():
     assert remade[slope][0] > remade[slope][1]  # never in memory: made where it is read
     # x held for it instead, to its reader (whose result may take x's place there)
     assert written[x][1] < dot2 <= remade[x][1] == last - 1
+
+
+def test_a_product_of_broadcasts_is_remade_from_the_small_arrays_it_broadcasts():
+    """A mask made by multiplying two broadcast vectors (moe-tiny's dispatch masks) holds
+    more elements than it reads: XLA makes it again wherever it is read, so the two vectors
+    are held, not the mask."""
+    from spmd.search.fusion import REMAKING
+
+    def step(x, w):
+        rows, cols = x.sum(1), x.sum(0)  # small: what the mask is made of
+        mask = rows[:, None] * cols[None, :]
+        h = jnp.tanh(mask @ w) @ w
+        return (h * mask).sum()  # the mask read again after both matmuls, by a fusible op
+
+    g = build_graph(jax.make_jaxpr(step)(jnp.ones((64, 64)), jnp.ones((64, 64))))
+    written = Liveness(g, donated=set())
+    remade = Liveness(g, donated=set(), remaking=REMAKING)
+    span = {v.node: (a, b) for v, a, b in remade.intervals}
+    dot = next(n for n in g.nodes if n.kind == "op" and n.op.primitive == "dot_general")
+    mask = dot.operands[0].node
+    sums = [n.id for n in g.nodes if n.kind == "op" and n.op.primitive == "reduce_sum"][:2]
+    last = dict((v.node, b) for v, _, b in written.intervals)[mask]
+    assert span[mask] == (mask, dot.id)  # in memory for the first matmul only
+    assert all(span[s][1] == last - 1 for s in sums)  # the vectors, held for the last read
+    assert remade.peak(remade.full_bytes) < written.peak(written.full_bytes)
 
 def test_on_xla_cpu_a_copy_between_memories_is_its_operands_buffer():
     """XLA:CPU's host memory is the devices': an offloaded step holds what the step as

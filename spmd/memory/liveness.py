@@ -9,8 +9,8 @@ inside each such reader's kernel from values it holds anyway or holds for them i
 primitives it does this for are handed over as ``Remaking``:
 ``spmd.search.fusion.DUPLICABLE``), so it lives only as long as a matmul or another reader
 that cannot fuse it needs it (e.g. the backward pass's GELU pieces, remade from the saved
-pre-activation). This module knows nothing about strategies: callers hand it the bytes each value takes per device (under one
-plan, or under each strategy of its group). Values in host memory (``spmd.memory.offload``)
+pre-activation). This module knows nothing about strategies: callers hand it the bytes each
+value takes per device (under one plan, or under each strategy of its group). Values in host memory (``spmd.memory.offload``)
 take no device memory and are left out, where the platform has a host memory of its own;
 on XLA:CPU they are device memory, and a copy between the two memories is no buffer of its
 own (``forwarded``). What a plan adds beside the values (resharded
