@@ -242,6 +242,7 @@ class CostGraph:
         self._reshards: dict[tuple, tuple[float, tuple]] = {}
         self._matrices: dict[tuple, tuple[np.ndarray, tuple, tuple]] = {}
         self._fanouts: dict[tuple, tuple] = {}
+        self._fanout_targets: dict[tuple, tuple] = {}
         self._own_rows: dict[tuple, tuple] = {}
         self._bytes_rows: dict[tuple, np.ndarray] = {}
 
@@ -400,15 +401,21 @@ class CostGraph:
         the reads' spec lists, their reshard seconds per source spec (``repeat`` x seconds),
         and each read's target per strategy. Memoized on the spec lists."""
         shape, dtype = self.graph.value_shape(v), self.graph.value_dtype(v)
-        key = (shape, dtype, id(src), tuple((id(dst), rep) for dst, rep in reads))
+        readers = tuple((id(dst), rep) for dst, rep in reads)
+        key = (shape, dtype, id(src), readers)
         hit = self._fanouts.get(key)
         if hit is None:
-            targets: dict[tuple[Spec, int], int] = {}
-            per_read = [[targets.setdefault((b, rep), len(targets)) for b in dst]
-                        for dst, rep in reads]
-            table = np.array([[rep * self.reshard_time(v, a, b) for b, rep in targets]
+            # The targets depend on the readers alone: a pinned input's source list is new
+            # under every scoring, its readers' lists are not.
+            found = self._fanout_targets.get(readers)
+            if found is None:
+                targets: dict[tuple[Spec, int], int] = {}
+                per_read = [[targets.setdefault((b, rep), len(targets)) for b in dst]
+                            for dst, rep in reads]
+                found = self._fanout_targets[readers] = (list(targets), per_read, reads)
+            table = np.array([[rep * self.reshard_time(v, a, b) for b, rep in found[0]]
                               for a in src])
-            hit = self._fanouts[key] = (table, per_read, src, reads)  # holding the lists
+            hit = self._fanouts[key] = (table, found[1], src, reads)  # holding the lists
         return hit[0], hit[1]                                         # keeps their ids unique
 
     def own_group_reshards(self, v: Value, src: tuple[Spec, ...],

@@ -51,6 +51,10 @@ class Encoder:
     def __init__(self, cg: CostGraph):
         self.cg = cg
         self.shared: _SharedPart | None = None
+        #: the op nodes' and constants' spec lists (``Encoding.spec_list``): the same under
+        #: any pins, so every encoding shares them, and the memos the cost graph keys on
+        #: their identity hit for every scoring, not only within one
+        self.spec_lists: dict[tuple, tuple[tuple[Spec, ...], list]] = {}
 
     def encode(self, pins: Sequence[Spec | None]) -> "Encoding":
         return Encoding(self, pins)
@@ -116,9 +120,11 @@ class Encoding:
         on the list and the follower map."""
         ss, fm = self.strats[node], self.fmap[node]
         key = (id(ss), fm.tobytes(), index, out)
-        hit = self._spec_lists.get(key)
+        memo = (self._spec_lists if self.cg.graph.nodes[node].kind == "input"
+                else self.encoder.spec_lists)
+        hit = memo.get(key)
         if hit is None:
-            hit = self._spec_lists[key] = (
+            hit = memo[key] = (
                 tuple(ss[k].out_specs[index] for k in fm.tolist()) if out else
                 tuple(ss[k].in_specs[index] for k in fm.tolist()), ss)
         return hit[0]
