@@ -209,10 +209,12 @@ class SearchOptions:
       memory_budget: bytes per device a plan may use (default: the device's memory).
       memory_headroom: the share of the budget plans leave free for the memory
         prediction's error: they are searched under ``(1 - memory_headroom) x`` the budget
-        (``budget_for``). Predictions of plain plans come within a few percent of XLA's
-        compiled memory on the benchmark table, on either side, but those of plans that
-        recompute ran up to 5% under it (gpt-tiny grown to 4 blocks, under 0.8x its plain
-        peak on cpu-8: a plan predicted at 0.95x the budget compiled 0.3% over it).
+        (``budget_for``). Predictions come within 15% of XLA's compiled memory on the
+        benchmark table (0.86-1.14x, median 0.94x, bench/memory.py); under it by what
+        XLA:CPU adds of its own (copies of weights for its matmuls and at sharding
+        constraints, buffers its breadth-first order makes early): gpt-bench on 8 A100s,
+        planned under 0.8x its plain peak, was predicted at 0.88x its XLA:CPU compile and
+        compiled 0.02% over that budget.
       time_limit: seconds the solver may spend on the search; past it, the best plan found is
         used and a warning says so.
       compare: score every applicable hand-written plan on the search's own cost graph
