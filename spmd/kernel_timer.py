@@ -19,7 +19,7 @@ import numpy as np
 
 from spmd.errors import ProfileError
 
-__all__ = ["OP_CHAIN", "Timer"]
+__all__ = ["OP_CHAIN", "Timer", "above_noise"]
 
 #: the k-iteration run: 4 to 63 iterations more than the 1-iteration run it is compared
 #: with (enough that their noise does not dominate)
@@ -34,7 +34,7 @@ _UNROLLED_PAIRS = 15
 #: ops of one kind per element in ``Timer.op_rates``'s loop body (one fused kernel), so
 #: that their compute outweighs the kernel's read and write of the matrix
 OP_CHAIN = 8
-#: how many times longer a loop lost in noise runs on each retry
+#: how many times longer a timing lost in noise runs on each retry (``above_noise``)
 _LONGER = (1, 4, 16)
 
 
@@ -69,7 +69,7 @@ class Timer:
         once: a loop run for 1 and for k iterations, k sized so the run is long beside the
         dispatch, which the difference cancels. The median of paired differences, each pair
         run back to back so both see the same load of a shared host. Lost in noise (not above
-        0), it is run 4 and then 16 times longer; still lost, not above 0."""
+        0), it is run longer (``above_noise``)."""
         import jax
         import jax.numpy as jnp
         from jax.sharding import PartitionSpec
@@ -85,17 +85,16 @@ class Timer:
         self._seconds(fn, one, *arrays)  # compiled and warm
         single = self._seconds(fn, one, *arrays)
         low, high = _EXTRA_ITERATIONS
-        seconds = 0.0
-        for longer in _LONGER:  # a loop lost in the noise of a busy host: run it longer
+
+        def timed(longer: int) -> float:
             k = 1 + int(np.clip(round(longer * self.loop_seconds / single), low, longer * high))
             many = jnp.int32(k)
             self._seconds(fn, many, *arrays)
-            seconds = statistics.median(
+            return statistics.median(
                 (self._seconds(fn, many, *arrays) - self._seconds(fn, one, *arrays)) / (k - 1)
                 for _ in range(self.repeats))
-            if seconds > 0:
-                break
-        return seconds
+
+        return above_noise(timed)
 
     def unrolled(self, body: Callable, operands: Sequence[tuple[tuple[int, ...], object]],
                  extra: int) -> float:
@@ -105,7 +104,9 @@ class Timer:
         its program, and XLA:CPU runs small matmuls dearer there than inside a loop's body:
         a 64x64 fp32 matmul took 6.2 us unrolled against 3.5 us in a loop (jax 0.10.2, 2
         cores; 256x256: 180 against 171 us). A tiny one's overhead, 0.28 against 0.36 us,
-        is the same within the noise."""
+        is the same within the noise. Lost in noise, the long program runs more
+        (``above_noise``): one of six profiles of one CPU device read a kernel overhead of
+        0 before it did."""
         import jax
 
         def program(length: int) -> Callable:
@@ -118,13 +119,19 @@ class Timer:
                                          check_vma=False))
 
         arrays = [self._zeros(shape, dtype) for shape, dtype in operands]
-        short, long = program(1), program(1 + extra)
-        for fn in (short, long):
-            self._seconds(fn, *arrays)  # compiled and warm
+        short = program(1)
+        self._seconds(short, *arrays)  # compiled and warm
         pairs = max(3 * self.repeats, _UNROLLED_PAIRS)
-        return statistics.median(
-            (self._seconds(long, *arrays) - self._seconds(short, *arrays)) / extra
-            for _ in range(pairs))
+
+        def timed(longer: int) -> float:
+            more = extra * longer
+            long = program(1 + more)
+            self._seconds(long, *arrays)  # compiled and warm
+            return statistics.median(
+                (self._seconds(long, *arrays) - self._seconds(short, *arrays)) / more
+                for _ in range(pairs))
+
+        return above_noise(timed)
 
     def matmul(self, side: int, dtype: str, overhead: float, batch: int = 1) -> float:
         """FLOP/s of a square matmul per device (``batch`` of them in one kernel), beyond
@@ -237,6 +244,18 @@ class Timer:
                 y, axis, [(i, (i + 1) % n) for i in range(n)]),
         }
         return self.loop(bodies[kind], [((elements,), "float32")])
+
+
+def above_noise(timed: Callable[[int], float]) -> float:
+    """``timed(longer)``: seconds per op from a run ``longer`` times the usual length, first
+    1, then 4 and 16 times where the difference a run measures was lost in the noise of a
+    busy host (not above 0); still lost, not above 0."""
+    seconds = 0.0
+    for longer in _LONGER:
+        seconds = timed(longer)
+        if seconds > 0:
+            break
+    return seconds
 
 
 def _matmul(y, w):

@@ -12,6 +12,7 @@ from spmd.cli import main
 from spmd.cluster.hardware import OP_RATE_KINDS
 from spmd.cluster.mesh import make_mesh
 from spmd.errors import MeshError, ProfileError
+from spmd.kernel_timer import above_noise
 from spmd.profile import LINK_KINDS, fit_link, profile_mesh
 
 KIB = 1024
@@ -97,6 +98,21 @@ def test_fit_holds_latency_at_zero_and_refuses_flat_times():
     assert latency == 0 and bandwidth > 0
     with pytest.raises(ProfileError, match="do not grow with bytes"):
         fit_link([1e3, 1e6], [2e-3, 1e-3])
+
+
+def test_a_timing_lost_in_noise_runs_longer_until_it_is_not():
+    """What ``Timer.loop`` and ``Timer.unrolled`` (the kernel overhead, matmuls) do with a
+    difference not above 0: one of six profiles of one CPU device read an overhead of 0."""
+    asked = []
+
+    def timed(longer):
+        asked.append(longer)
+        return {1: 0.0, 4: -1e-7, 16: 3e-7}[longer]
+
+    assert above_noise(timed) == 3e-7 and asked == [1, 4, 16]
+    asked.clear()
+    assert above_noise(lambda longer: asked.append(longer) or 2e-7) == 2e-7 and asked == [1]
+    assert above_noise(lambda longer: 0.0) == 0.0
 
 
 def test_a_virtual_mesh_is_refused():
