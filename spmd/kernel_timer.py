@@ -264,8 +264,9 @@ def _matmul(y, w):
 
 
 def _per_second(work: float, seconds: float, what: str) -> float:
-    """``work / seconds``, refusing a loop whose extra iterations were lost in noise."""
+    """``work / seconds``, refusing a timing lost in noise even when run longer
+    (``above_noise``)."""
     if not seconds > 0:
-        raise ProfileError(f"{what}: the timed loop was lost in noise; run again on an idle "
+        raise ProfileError(f"{what}: the timing was lost in noise; run again on an idle "
                            f"machine")
     return work / seconds

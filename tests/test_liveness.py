@@ -127,10 +127,52 @@ def test_a_product_of_broadcasts_is_remade_from_the_small_arrays_it_broadcasts()
     dot = next(n for n in g.nodes if n.kind == "op" and n.op.primitive == "dot_general")
     mask = dot.operands[0].node
     sums = [n.id for n in g.nodes if n.kind == "op" and n.op.primitive == "reduce_sum"][:2]
-    last = dict((v.node, b) for v, _, b in written.intervals)[mask]
+    last = {v.node: b for v, _, b in written.intervals}[mask]
     assert span[mask] == (mask, dot.id)  # in memory for the first matmul only
     assert all(span[s][1] == last - 1 for s in sums)  # the vectors, held for the last read
     assert remade.peak(remade.full_bytes) < written.peak(written.full_bytes)
+
+
+def test_a_cheap_value_a_matmul_reads_last_does_not_hold_its_source_too():
+    """``3 * x**2`` read last by a matmul stays in memory to it: ``x`` is not held for it
+    as well (holding both put the peak above the step as written)."""
+    from spmd.search.fusion import REMAKING
+
+    def step(a, w):
+        x = a @ w
+        slope = 3.0 * x ** 2
+        k = jnp.exp(jnp.tanh(x) @ w) @ w
+        return (k @ slope).sum()  # slope's last reader: a matmul
+
+    g = build_graph(jax.make_jaxpr(step)(jnp.ones((64, 64)), jnp.ones((64, 64))))
+    written = Liveness(g, donated=set())
+    remade = Liveness(g, donated=set(), remaking=REMAKING)
+    assert remade.peak(remade.full_bytes) <= written.peak(written.full_bytes)
+
+
+def test_a_chain_made_from_a_copy_between_memories_holds_the_copys_buffer():
+    """On XLA:CPU a copy between memories is its operand's buffer (``forwarded``): a chain
+    of cheap ops made from the copy holds that operand for its readers, as it would the
+    copy (a sine stands for the copy here)."""
+    from spmd.search.fusion import REMAKING
+    from spmd.trace.graph import Value
+
+    def step(a, w):
+        x = a @ w
+        c = jnp.sin(x)
+        slope = 3.0 * c ** 2
+        return ((jnp.tanh(c) @ w) * slope).sum()
+
+    g = build_graph(jax.make_jaxpr(step)(jnp.ones((64, 64)), jnp.ones((64, 64))))
+    sine = next(n.id for n in g.nodes if n.kind == "op" and n.op.primitive == "sin")
+    copied = Liveness(g, donated=set(), remaking=REMAKING)
+    forwarded = Liveness(g, donated=set(), remaking=REMAKING,
+                         forwarded=frozenset({Value(sine, 0)}))
+    x = g.nodes[sine].operands[0]
+    held_copy = {v.node: b for v, _, b in copied.intervals}[sine]
+    assert {v: b for v, _, b in forwarded.intervals}[x] == held_copy
+    assert forwarded.peak(forwarded.full_bytes) == copied.peak(copied.full_bytes)
+
 
 def test_on_xla_cpu_a_copy_between_memories_is_its_operands_buffer():
     """XLA:CPU's host memory is the devices': an offloaded step holds what the step as

@@ -112,7 +112,9 @@ def test_a_timing_lost_in_noise_runs_longer_until_it_is_not():
     assert above_noise(timed) == 3e-7 and asked == [1, 4, 16]
     asked.clear()
     assert above_noise(lambda longer: asked.append(longer) or 2e-7) == 2e-7 and asked == [1]
-    assert above_noise(lambda longer: 0.0) == 0.0
+    asked.clear()
+    assert above_noise(lambda longer: asked.append(longer) or 0.0) == 0.0
+    assert asked == [1, 4, 16]
 
 
 def test_a_virtual_mesh_is_refused():

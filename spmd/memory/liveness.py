@@ -10,11 +10,11 @@ primitives it does this for are handed over as ``Remaking``:
 ``spmd.search.fusion.DUPLICABLE``), so it lives only as long as a matmul or another reader
 that cannot fuse it needs it (e.g. the backward pass's GELU pieces, remade from the saved
 pre-activation). This module knows nothing about strategies: callers hand it the bytes each
-value takes per device (under one plan, or under each strategy of its group). Values in host memory (``spmd.memory.offload``)
-take no device memory and are left out, where the platform has a host memory of its own;
-on XLA:CPU they are device memory, and a copy between the two memories is no buffer of its
-own (``forwarded``). What a plan adds beside the values (resharded
-copies, collectives' buffers) it hands over as ``Buffer``s.
+value takes per device (under one plan, or under each strategy of its group). Values in
+host memory (``spmd.memory.offload``) take no device memory and are left out, where the
+platform has a host memory of its own; on XLA:CPU they are device memory, and a copy
+between the two memories is no buffer of its own (``forwarded``). What a plan adds beside
+the values (resharded copies, collectives' buffers) it hands over as ``Buffer``s.
 
 >>> import jax, jax.numpy as jnp
 >>> from spmd.trace.graph import build_graph
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -100,10 +100,11 @@ class Liveness:
                     out.append((v, 0, end_all))
                 else:
                     out.append((v, n.id, last[n.id]))
+        owner: dict[Value, Value] = {}
         if forwarded:
-            out = _forward(graph, out, forwarded)
+            out, owner = _forward(graph, out, forwarded)
         if remaking is not None:
-            out = _duplicated_at_readers(graph, out, remaking, fused)
+            out = _duplicated_at_readers(graph, out, remaking, fused, owner)
         self.intervals = out
         #: each value's index into ``intervals``
         self.position = {v: i for i, (v, _, _) in enumerate(out)}
@@ -164,9 +165,11 @@ class Liveness:
 
 
 def _forward(graph: Graph, intervals: list[tuple[Value, int, int]],
-             forwarded: frozenset[Value]) -> list[tuple[Value, int, int]]:
+             forwarded: frozenset[Value]
+             ) -> tuple[list[tuple[Value, int, int]], dict[Value, Value]]:
     """``intervals`` with each ``forwarded`` value folded into the value whose buffer it is
-    (its operand's, through chains of them): that one lives to the later of their ends."""
+    (its operand's, through chains of them): that one lives to the later of their ends.
+    Also returns that owner of each folded value."""
     owner: dict[Value, Value] = {}
     for v, _, _ in intervals:
         if v in forwarded:
@@ -176,29 +179,31 @@ def _forward(graph: Graph, intervals: list[tuple[Value, int, int]],
     for v, root in owner.items():
         if root in end:
             end[root] = max(end[root], end[v])
-    return [(v, a, end[v]) for v, a, _ in intervals if v not in owner]
+    return [(v, a, end[v]) for v, a, _ in intervals if v not in owner], owner
 
 
 def _duplicated_at_readers(graph: Graph, intervals: list[tuple[Value, int, int]],
-                           remaking: Remaking,
-                           fused: frozenset[Value]) -> list[tuple[Value, int, int]]:
+                           remaking: Remaking, fused: frozenset[Value],
+                           owner: Mapping[Value, Value]) -> list[tuple[Value, int, int]]:
     """``intervals`` with each value XLA's fusion remakes in its later readers' kernels
     kept in memory only as long as a reader that cannot fuse it needs it: a ``DUPLICABLE``
     op's result that is no step output nor read across a loop boundary. It lives from where
-    it is made to its last reader that is no fusible op (a matmul reads it from memory), or,
-    read only by fusible ops, only at its last reader (made inside that kernel).
+    it is made to its last reader that is no fusible op (a matmul reads it from memory);
+    read only by fusible ops, it is never in memory when its chain remakes it (below), else
+    only at its last reader (made inside that kernel).
 
     Which results, as XLA's fusion weighs duplication (``ComputeGloballyUnfusible``):
     one whose distinct operands hold no more elements than it (a unary op, a product of
     broadcasts) is remade from the values its chain of such ops starts from, which are held
-    as long as its readers need them (GELU's ``3 x^2`` from ``x``; moe-tiny's dispatch
-    masks from the small arrays they broadcast); such an operand fused inside one kernel
-    counts only where the op grows it. One with larger operands (a sum of two arrays) is
-    remade only where each operand is a constant or kept in memory at least as long, and
-    not remade itself: counting chains of those fell 14% under XLA:CPU's buffers on cpu-8.
-    ``fused``: the values never in memory (``Liveness``)."""
+    as long as its fusible readers after the last unfused one need them (GELU's ``3 x^2``
+    from ``x``; moe-tiny's dispatch masks from the small arrays they broadcast); such an
+    operand fused inside one kernel counts only where the op grows it. One with larger
+    operands (a sum of two arrays) is remade only where each operand is a constant or kept
+    in memory at least as long, and not remade itself: counting chains of those fell 14%
+    under XLA:CPU's buffers on cpu-8. ``fused``: the values never in memory (``Liveness``);
+    ``owner``: the value whose buffer a ``forwarded`` one is (held in its place)."""
     end_all = len(graph.nodes)
-    spans = {v: [a, b] for v, a, b in intervals}
+    spans: dict[Value, list[int]] = {v: [a, b] for v, a, b in intervals}
     crosses, unfused = set(), {}  # read across a loop boundary; last reader it can't fuse into
     for n in graph.nodes:
         for u in n.operands:
@@ -223,7 +228,10 @@ def _duplicated_at_readers(graph: Graph, intervals: list[tuple[Value, int, int]]
                 u in heads or (u not in remade and (u not in fused or read < made))
                 for u in ins):
             heads[v] = frozenset().union(*(heads.get(u, {u}) for u in ins))
-            for source in heads[v]:
+            # held for the fusible readers after its last unfused one (that one reads v
+            # itself from memory), if any
+            for source in heads[v] if unfused.get(v, -1) < end else ():
+                source = owner.get(source, source)
                 if source in spans and graph.nodes[source.node].kind != "input":
                     # held for the readers that make v again, to the last one, whose result
                     # XLA may write in its place (a step input is held to the end, or,

@@ -98,6 +98,7 @@ class Encoding:
                 rep[r] = find(r)
         self.same_as = [-1 if rep[r] == r else self.index[rep[r]] for r in self.roots]
         self.input_ties = tied
+        #: the inputs' spec lists (under these pins); the others' are the encoder's
         self._spec_lists: dict[tuple, tuple[tuple[Spec, ...], list]] = {}
 
     # -- strategies under a choice of root strategies ------------------------------------

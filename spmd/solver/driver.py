@@ -164,9 +164,11 @@ def solve(request: SolverRequest, options: SolverOptions = SolverOptions()) -> S
         # cheapest itself, which it repairs (gpt-bench on 8 A100s under 0.8 of its peak:
         # 1.38 ms; from the priced start, 1.72 ms: doubled prices jump to a plan that
         # shards everything, and no local move finds one between). Each of its rounds is a
-        # local search: the FSDP case takes four, 0.66 s.
+        # local search: the FSDP case takes four, 0.66 s. (Without CP-SAT to follow, not
+        # past the limit.)
         fit = fitting_seed(request, seeding, over[1], exact,
-                           deadline=max(deadline, time.perf_counter() + 0.75 * window))
+                           deadline=max(deadline, time.perf_counter() + 0.75 * window)
+                           if options.refine else deadline)
         if fit is not None:
             value = exact(fit)
             if _admissible(request, prob, fit, value):
