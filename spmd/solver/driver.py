@@ -160,12 +160,12 @@ def solve(request: SolverRequest, options: SolverOptions = SolverOptions()) -> S
         # The cheapest start is over the budget, and the ones that fit are dearer: from it,
         # price memory until it fits (``fit_seed``), a start near it for CP-SAT, which else
         # starts from one far from it (FSDP + remat under half its peak: 137 ms from there,
-        # 75 ms from the priced start, tests/test_scale.py). Where no start fits, CP-SAT does better from the
-        # cheapest itself, which it repairs (gpt-bench on 8 A100s under 0.8 of its peak:
-        # 1.38 ms; from the priced start, 1.72 ms: doubled prices jump to a plan that
-        # shards everything, and no local move finds one between). Each of its rounds is a
-        # local search: the FSDP case takes four, 0.66 s. (Without CP-SAT to follow, not
-        # past the limit.)
+        # 75 ms from the priced start, tests/test_scale.py). Where no start fits, CP-SAT
+        # does better from the cheapest itself, which it repairs (gpt-bench on 8 A100s
+        # under 0.8 of its peak: 1.38 ms; from the priced start, 1.72 ms: doubled prices
+        # jump to a plan that shards everything, and no local move finds one between).
+        # Each of its rounds is a local search: the FSDP case takes four, 0.66 s. (Without
+        # CP-SAT to follow, not past the limit.)
         fit = fitting_seed(request, seeding, over[1], exact,
                            deadline=max(deadline, time.perf_counter() + 0.75 * window)
                            if options.refine else deadline)
