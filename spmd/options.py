@@ -214,7 +214,7 @@ class SearchOptions:
         XLA:CPU adds of its own (copies of weights for its matmuls and at sharding
         constraints, buffers its breadth-first order makes early): gpt-bench on 8 A100s,
         planned under 0.8x its plain peak, was predicted at 0.88x its XLA:CPU compile and
-        compiled 0.02% over that budget.
+        compiled 0.02-1.4% over that budget (two runs).
       time_limit: seconds the solver may spend on the search; past it, the best plan found is
         used and a warning says so.
       compare: score every applicable hand-written plan on the search's own cost graph
