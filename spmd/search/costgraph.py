@@ -4,18 +4,18 @@ pinned, so the search and every hand-written plan's scoring share it.
 For every node it holds the strategies (op nodes: the rules'; inputs: their free candidates;
 constants: replicated) and, per strategy, compute seconds and the communication the node
 itself does. Compute is a roofline (``spmd.search.roofline``): an op's FLOPs at the device's
-achievable rate (that of one of its matmuls' size, ``DeviceSpec.flops``) against the bytes its
-kernel reads and writes for it in device memory at the achievable bandwidth
-(``spmd.search.fusion`` says which ops share a kernel): the longer of the two for an op alone
-in its kernel, the term that bounds a fused kernel for each of its ops; plus the per-kernel
-overhead once per kernel. Transposes move their bytes at the device's transpose bandwidth
-(one that XLA folds into the matmul making its operand moves none of its own),
-and a matmul whose operand XLA reorders first (``spmd.search.layout``) pays that copy and its
+achievable rate (that of one of its matmuls' size, ``DeviceSpec.flops``) against the bytes
+its kernel reads and writes for it in device memory at the achievable bandwidth
+(``spmd.search.fusion`` says which ops share a kernel): the longer of the two for an op
+alone in its kernel, the term that bounds a fused kernel for each of its ops; plus the
+per-kernel overhead once per kernel. Transposes move their bytes at the device's transpose
+bandwidth (one that XLA folds into the matmul making its operand moves none of its own), and
+a matmul whose operand XLA reorders first (``spmd.search.layout``) pays that copy and its
 kernel too; a copy between host and device memory (``spmd.memory.offload``) moves its bytes
 at the device's host link. For every value it prices a reshard once per (value, target spec,
-loop level), as XLA's partitioner does it (``reshard_time``). ``spmd.search.encode`` lays these numbers out as the solver's request
-under one set of pins, ``spmd.search.predict`` evaluates the same numbers for the chosen
-plan: one pricing path.
+loop level), as XLA's partitioner does it (``reshard_time``). ``spmd.search.encode`` lays
+these numbers out as the solver's request under one set of pins, ``spmd.search.predict``
+evaluates the same numbers for the chosen plan: one pricing path.
 
 Keeping the program small (every reduction counted in ``stats``):
 
@@ -242,7 +242,6 @@ class CostGraph:
         self._reshards: dict[tuple, tuple[float, tuple]] = {}
         self._matrices: dict[tuple, tuple[np.ndarray, tuple, tuple]] = {}
         self._fanouts: dict[tuple, tuple] = {}
-        self._fanout_targets: dict[tuple, tuple] = {}
         self._own_rows: dict[tuple, tuple] = {}
         self._bytes_rows: dict[tuple, np.ndarray] = {}
 
@@ -369,12 +368,10 @@ class CostGraph:
         """Seconds and collectives to reshard value ``v`` from ``src`` to ``dst`` once."""
         if src == dst:
             return 0.0, ()
-        shape, dtype = self.graph.value_shape(v), self.graph.value_dtype(v)
-        key = (shape, dtype, src, dst)
-        hit = self._reshards.get(key)
-        if hit is None:
-            hit = self._reshards[key] = self.cost.reshard(shape, dtype, src, dst)
-        return hit
+        key = (self.graph.value_shape(v), self.graph.value_dtype(v), src, dst)
+        if key not in self._reshards:
+            self._reshards[key] = self.cost.reshard(*key)
+        return self._reshards[key]
 
     def reshard_time(self, v: Value, src: Spec, dst: Spec) -> float:
         return self.reshard(v, src, dst)[0]
@@ -399,24 +396,20 @@ class CostGraph:
                      reads: Sequence[tuple[tuple[Spec, ...], int]]) -> tuple[np.ndarray, list]:
         """For a value read by several groups: its distinct targets (spec, loop level) over
         the reads' spec lists, their reshard seconds per source spec (``repeat`` x seconds),
-        and each read's target per strategy. Memoized on the spec lists."""
-        shape, dtype = self.graph.value_shape(v), self.graph.value_dtype(v)
+        and each read's target per strategy. Memoized on the spec lists: the targets on the
+        reads' alone (a pinned input's source list is new under every scoring)."""
         readers = tuple((id(dst), rep) for dst, rep in reads)
-        key = (shape, dtype, id(src), readers)
-        hit = self._fanouts.get(key)
-        if hit is None:
-            # The targets depend on the readers alone: a pinned input's source list is new
-            # under every scoring, its readers' lists are not.
-            found = self._fanout_targets.get(readers)
-            if found is None:
-                targets: dict[tuple[Spec, int], int] = {}
-                per_read = [[targets.setdefault((b, rep), len(targets)) for b in dst]
-                            for dst, rep in reads]
-                found = self._fanout_targets[readers] = (list(targets), per_read, reads)
-            table = np.array([[rep * self.reshard_time(v, a, b) for b, rep in found[0]]
-                              for a in src])
-            hit = self._fanouts[key] = (table, found[1], src, reads)  # holding the lists
-        return hit[0], hit[1]                                         # keeps their ids unique
+        if readers not in self._fanouts:
+            targets: dict[tuple[Spec, int], int] = {}
+            per_read = [[targets.setdefault((b, rep), len(targets)) for b in dst]
+                        for dst, rep in reads]
+            self._fanouts[readers] = (list(targets), per_read, reads, {})  # holding the lists
+        wanted, per_read, _, tables = self._fanouts[readers]               # keeps ids unique
+        key = (self.graph.value_shape(v), self.graph.value_dtype(v), id(src))
+        if key not in tables:
+            tables[key] = (np.array([[rep * self.reshard_time(v, a, b) for b, rep in wanted]
+                                     for a in src]), src)
+        return tables[key][0], per_read
 
     def own_group_reshards(self, v: Value, src: tuple[Spec, ...],
                            reads: Sequence[tuple[tuple[Spec, ...], int]]) -> np.ndarray:
