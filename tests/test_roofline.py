@@ -270,6 +270,41 @@ def test_a_weight_gradient_dot_pays_for_transposing_its_operand_on_cpu_only(plat
         assert not copies(_contract_rows, x2, dy2)
 
 
+#: (einsum, lhs shape, rhs shape): matmuls of a transformer's steps, each operand of them
+#: in the order XLA:CPU's matmul takes or not
+_DOT_FORMS = [
+    ("bse,ef->bsf", (8, 32, 64), (64, 128)),  # a projection
+    ("bsf,ef->bse", (8, 32, 128), (64, 128)),  # its input gradient (w transposed)
+    ("bse,bsf->ef", (8, 32, 64), (8, 32, 128)),  # its weight gradient
+    ("bse,hke->bshk", (8, 32, 64), (4, 16, 64)),  # attention's output projection, backward
+    ("bshk,hke->bse", (8, 32, 4, 16), (4, 16, 64)),
+    ("bse,ehk->bshk", (8, 32, 64), (64, 4, 16)),
+    ("bse,bshk->ehk", (8, 32, 64), (8, 32, 4, 16)),
+    ("bhqd,bhkd->bhqk", (8, 4, 32, 16), (8, 4, 32, 16)),
+    ("bqhd,bkhd->bhqk", (8, 32, 4, 16), (8, 32, 4, 16)),  # batch dimensions not leading
+    ("te,tf->ef", (256, 64), (256, 128)),  # 2-D x^T @ dy: Eigen reads x transposed
+    ("te,fe->tf", (256, 64), (128, 64)),  # 2-D x @ w.T
+]
+
+
+@pytest.mark.parametrize("form,lhs,rhs", _DOT_FORMS, ids=[f for f, _, _ in _DOT_FORMS])
+def test_the_operands_xla_cpu_transposes_before_a_matmul_are_those_the_rule_names(form, lhs, rhs):
+    """``spmd.search.layout``'s rule against XLA:CPU's compiled HLO: as many copy or
+    transpose kernels before the matmul as operands the rule says it reorders."""
+    from spmd.search.layout import transposed_operands
+
+    graph = _graph(lambda a, b: jnp.einsum(form, a, b), jnp.ones(lhs), jnp.ones(rhs))
+    dot, = _ops(graph, "dot_general")
+    named = transposed_operands(lhs, rhs, dot.op.params["dimension_numbers"], "cpu")
+    text = jax.jit(lambda a, b: jnp.einsum(form, a, b)).lower(
+        jnp.ones(lhs), jnp.ones(rhs)).compile().as_text()
+    entry = text[text.index("ENTRY"):]
+    before = entry[:entry.index(re.search(r"= \S+ (?:dot|fusion)\([^\n]*kind=kCustom|= \S+ dot\(",
+                                          entry).group(0))]
+    copies = re.findall(r"%\w*(?:copy|transpose)\w*(?:\.\d+)? = \S+ fusion", before)
+    assert len(copies) == len(named), (form, named, entry)
+
+
 def test_a_transpose_moves_its_bytes_at_the_transpose_bandwidth():
     x = jnp.ones((256, 128))
     cg = CostGraph(_graph(lambda x: x.T, x), [InputInfo("x", x.shape, jnp.float32, "batch")],
