@@ -129,7 +129,7 @@ class Plan:
         shape and figures, that platform's collectives (XLA:CPU all-reduces and slices what
         XLA:GPU reduce-scatters, and combines a step's reductions into one). How a plan for
         a GPU mesh compiled on simulated CPU devices is read; None for a plan not searched
-        in this process (loaded from the cache)."""
+        or scored in this process (loaded from the cache)."""
         if self._searched is None:
             return None
         if platform == self.mesh.platform:

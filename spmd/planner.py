@@ -23,14 +23,14 @@ from spmd.logical import user_pins
 from spmd.manual import DOES_NOT_APPLY, applicable_methods, manual_specs
 from spmd.options import SearchOptions
 from spmd.plan import Plan
-from spmd.search.intra_op import AutoResult, InputInfo, IntraOp, Searched, score_result
+from spmd.search.intra_op import AutoResult, InputInfo, IntraOp, Searched, score_searched
 from spmd.search.memory_fit import fit_memory, search_under
 from spmd.sharding import Spec
 from spmd.timing import Stopwatch
 from spmd.trace.graph import Graph, build_graph
 from spmd.trace.signature import StepSignature
 
-__all__ = ["plan_auto", "score_manual", "step_inputs"]
+__all__ = ["plan_auto", "score_manual", "scored_manual", "step_inputs"]
 
 
 def step_inputs(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions) -> list[InputInfo]:
@@ -73,14 +73,22 @@ def score_manual(sig: StepSignature, mesh: DeviceMesh, method: str, options: Sea
                  graph: Graph | None = None,
                  inputs: list[InputInfo] | None = None) -> AutoResult:
     """The cost model's view of one hand-written plan (intermediates chosen by the ILP), with
-    the sharding constraints that compile it as scored. ``inputs``: ``step_inputs`` already
-    made for these options (else made here)."""
+    the sharding constraints that compile it as scored: ``scored_manual``'s answer."""
+    return scored_manual(sig, mesh, method, options, graph, inputs).result
+
+
+def scored_manual(sig: StepSignature, mesh: DeviceMesh, method: str, options: SearchOptions,
+                  graph: Graph | None = None,
+                  inputs: list[InputInfo] | None = None) -> Searched:
+    """``score_manual``, kept with what it was scored on (``Plan.priced_on`` prices it on
+    another platform). ``inputs``: ``step_inputs`` already made for these options (else
+    made here)."""
     limit, solver = options.scoring()
     inputs = inputs if inputs is not None else step_inputs(sig, mesh, options)
-    return score_result(sig.jaxpr, inputs, mesh,
-                        manual_specs(sig.leaves, method, mesh, [i.pinned for i in inputs]),
-                        output_aliases=sig.output_aliases, time_limit=limit, graph=graph,
-                        solver=solver)
+    return score_searched(sig.jaxpr, inputs, mesh,
+                          manual_specs(sig.leaves, method, mesh, [i.pinned for i in inputs]),
+                          output_aliases=sig.output_aliases, time_limit=limit, graph=graph,
+                          solver=solver)
 
 
 def _leanest(baselines: dict[str, list[Spec]], scores: dict[str, Any],

@@ -122,3 +122,29 @@ def test_a_value_fused_into_its_reader_is_not_in_memory_unless_read_across_a_mat
     # the same product read after a matmul: taken to be in memory (XLA:CPU keeps such
     # values rather than fusing across; the backward pass reads activations so)
     assert "mul" not in _fused(lambda x, w: x * 2.0 + w @ w, x, w)
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_a_weight_xla_cpu_transposes_is_copied_at_the_steps_start_on_cpu_only(platform):
+    """``x[b, s, e] . w[h, k, e]`` (attention's output projection, backward): XLA:CPU puts
+    ``w`` contracting dimension first in a copy (``spmd.search.layout``, checked against its
+    HLO in test_roofline.py) and, ordering breadth-first, makes the copy when the step
+    starts, before the work that comes first in the program: the predicted peak holds ``w``
+    twice on CPU. cuBLAS reads ``w`` as it is: no copy on GPU."""
+    from spmd.cluster.mesh import make_mesh
+
+    def step(form):
+        def run(w, x):
+            h = jnp.tanh(x) @ jnp.ones((64, 64))  # held while the copy is already made
+            return jnp.einsum(form, h, w).sum() + h.sum()
+        return run
+
+    x = jnp.ones((8, 32, 64))
+    mesh = make_mesh({"data": 1}, device="a100-40gb", platform=platform,
+                     virtual=platform == "gpu")
+    peaks = {form: spmd.plan(step(form), w, x, mesh=mesh,
+                             options=spmd.SearchOptions(cache=False)).prediction.memory_bytes
+             for form, w in (("bse,hke->bshk", jnp.ones((4, 16, 64))),
+                             ("bse,ehk->bshk", jnp.ones((64, 4, 16))))}
+    extra = peaks["bse,hke->bshk"] - peaks["bse,ehk->bshk"]
+    assert extra == pytest.approx(4 * 16 * 64 * 4 if platform == "cpu" else 0, abs=16)

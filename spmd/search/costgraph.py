@@ -215,7 +215,7 @@ class CostGraph:
         bounds = kernel_bounds(graph, self.fusion, prices)
         for n, price in zip(nodes, prices):
             compute, comm, excess = price.seconds(bounds.get(self.fusion.kernel[n.id]))
-            kernels = (self.fusion.kernel[n.id] == n.id) + len(self._relayouts(n))
+            kernels = (self.fusion.kernel[n.id] == n.id) + len(self.relayouts(n))
             launch = overhead * n.repeat * kernels
             self.compute.append(compute * n.repeat + launch)
             self.comm.append(comm * n.repeat if n.repeat != 1 else comm)
@@ -284,7 +284,7 @@ class CostGraph:
         transpose = n.op.primitive == "transpose" and n.id not in self.fusion.folded
         traffic = np.array([self.cost.memory_time(self._traffic(n, s), transpose)
                             for s in ss])
-        relayouts = self._relayouts(n)
+        relayouts = self.relayouts(n)
         relayout = np.array([self.cost.memory_time(self._relayout_bytes(n, s, relayouts), True)
                              for s in ss])
         # Off the critical path XLA combines a kind's collectives into one: each pays its
@@ -306,7 +306,7 @@ class CostGraph:
             return s.flops
         return None
 
-    def _relayouts(self, n: Node) -> tuple[int, ...]:
+    def relayouts(self, n: Node) -> tuple[int, ...]:
         """The operands of a matmul that XLA copies into another dimension order first on
         this mesh's platform (``spmd.search.layout``); () for other ops."""
         if n.kind != "op" or n.op.primitive != "dot_general":
@@ -316,7 +316,7 @@ class CostGraph:
 
     def _relayout_bytes(self, n: Node, s: _rules.Strategy, operands: Sequence[int]) -> float:
         """Bytes one device's transposes read and write for a matmul's reordered
-        ``operands`` (``_relayouts``) under ``s``: each written once and read once, or
+        ``operands`` (``relayouts``) under ``s``: each written once and read once, or
         remade from what its cheap producers read (``transposed_reads``)."""
         return sum((1.0 + self.transposed_reads.get(n.operands[k], 1.0)) * bytes_per_device(
             n.op.in_shapes[k], n.op.in_dtypes[k], s.in_specs[k], self.mesh_shape)

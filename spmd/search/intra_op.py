@@ -35,7 +35,7 @@ from spmd.timing import Stopwatch
 from spmd.trace.graph import Graph, Value, build_graph, operand_key, value_key
 
 __all__ = ["AutoResult", "InputInfo", "IntraOp", "Prediction", "Searched", "score", "score_result",
-           "search"]
+           "score_searched", "search"]
 
 @dataclasses.dataclass
 class AutoResult:
@@ -342,17 +342,25 @@ def search(closed_jaxpr, inputs: Sequence[InputInfo], mesh: DeviceMesh, *,
 
 
 def score_result(closed_jaxpr, inputs: Sequence[InputInfo], mesh: DeviceMesh,
-                 input_specs: Sequence[Spec], *, output_aliases: Mapping[int, int] = {},
-                 time_limit: float = SearchOptions.score_time_limit, graph: Graph | None = None,
-                 solver: SolverOptions = SolverOptions()) -> AutoResult:
+                 input_specs: Sequence[Spec], **kwargs) -> AutoResult:
+    """The answer of ``score_searched``."""
+    return score_searched(closed_jaxpr, inputs, mesh, input_specs, **kwargs).result
+
+
+def score_searched(closed_jaxpr, inputs: Sequence[InputInfo], mesh: DeviceMesh,
+                   input_specs: Sequence[Spec], *, output_aliases: Mapping[int, int] = {},
+                   time_limit: float = SearchOptions.score_time_limit,
+                   graph: Graph | None = None,
+                   solver: SolverOptions = SolverOptions()) -> Searched:
     """Score a hand-written plan with the search's own model (``IntraOp.score``), with the
-    sharding constraints that compile it as scored."""
+    sharding constraints that compile it as scored; kept with what it was scored on, so
+    that it can be priced on another platform too (``Searched.price_on``)."""
     graph = graph if graph is not None else build_graph(closed_jaxpr)
     job = IntraOp(graph, inputs, mesh, output_aliases=output_aliases,
                   required=[(i.shape, s) for i, s in zip(inputs, input_specs)])
     result = job.score(input_specs, time_limit=time_limit, solver=solver)
     result.constraints = job.constraints(result)
-    return result
+    return Searched.of(job, result)
 
 
 def score(closed_jaxpr, inputs: Sequence[InputInfo], mesh: DeviceMesh,
