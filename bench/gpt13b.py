@@ -118,13 +118,14 @@ def render(data: dict[str, Any]) -> str:
              "emits no reduce-scatter (a gradient is all-reduced whole, then sliced) and "
              "combines a step's gradient reductions into a few all-reduces at its end, so its "
              "temporaries are not XLA:GPU's, which reduce-scatters in groups of at most "
-             "30 MiB as the gradients are made. The prediction is for the GPU mesh; 'as XLA:CPU "
-             "runs the plan' prices the same shardings with XLA:CPU's collectives "
-             "(`Plan.priced_on`); what the compile holds beyond that is XLA:CPU's order: it "
-             "schedules any program with collectives breadth-first, for concurrency, so a "
-             "collective runs as soon as its operand exists and its result waits for its "
-             "reader, where the liveness follows program order. The same check is `spmd plan "
-             "--model gpt-13b --mesh a100-8 --compile`. The compile on a GPU was not run.",
+             "30 MiB as the gradients are made. Nor is its order: it schedules any program "
+             "with collectives breadth-first, for concurrency, so what reads only the step's "
+             "inputs runs at its start (every layer's weights all-gathered, every weight it "
+             "transposes for a matmul copied) and is held to its reader. The prediction is "
+             "for the GPU mesh; 'as XLA:CPU runs the plan' prices the same shardings with "
+             "XLA:CPU's collectives and those early copies (`Plan.priced_on`). The same check "
+             "is `spmd plan --model gpt-13b --mesh a100-8 --compile`. The compile on a GPU "
+             "was not run.",
              *data.get("memory_notes", [])]
     probes = [[q["remat"], q.get("offload", "none"), "yes" if q["fits"] else "no",
                "" if q["peak_bytes"] is None else f"{q['peak_bytes'] / gib:.2f}",
