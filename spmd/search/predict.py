@@ -170,7 +170,8 @@ def predict_with_peak(enc: Encoding, node_choice: Sequence[int]) -> tuple[Predic
     # the steps two targets' paths share from the same source once (XLA's CSE merges the
     # same collective of the same operand: a value gathered whole for one reader and
     # rematerialized, gathered whole and sliced, for another is gathered once); each target
-    # spec's copy is a buffer from its first reader to its last.
+    # spec's copy is a buffer from its first reader to its last (one a collective makes of
+    # a step input, from when XLA:CPU makes it: ``_made_at``).
     copies: dict[tuple[Value, Spec], list[int]] = {}
     for v, reads in cg.reads.items():
         src = strategy[v.node].out_specs[v.index]
@@ -204,9 +205,10 @@ def predict_with_peak(enc: Encoding, node_choice: Sequence[int]) -> tuple[Predic
                        float(cg.bytes_row(v, (strategy[v.node].out_specs[v.index],))[0])
                        for (v, _, _), fused in zip(live.intervals, live.fused)])
     made_at = _made_at(cg)
-    extra = [Buffer(made_at(v, at) if cg.reshard(v, strategy[v.node].out_specs[v.index], dst)[1]
-                    else min(at), max(at), float(cg.bytes_row(v, (dst,))[0]))
-             for (v, dst), at in copies.items()]
+    collective = lambda v, dst: bool(  # noqa: E731 (else a slice, fused into its readers)
+        cg.reshard(v, strategy[v.node].out_specs[v.index], dst)[1])
+    extra = [Buffer(made_at(v, at) if collective(v, dst) else min(at), max(at),
+                    float(cg.bytes_row(v, (dst,))[0])) for (v, dst), at in copies.items()]
     extra += _relayout_copies(cg, strategy, made_at)
     extra += _partial_results(cg, strategy, partials, combined_at, nbytes)
     totals = live.totals(nbytes, extra)  # at every program point, the step's end included
