@@ -15,7 +15,7 @@ from spmd.errors import PlanError, check_budget
 from spmd.manual import get_method, manual_specs
 from spmd.options import SearchOptions
 from spmd.plan import Plan
-from spmd.planner import scored_manual, step_inputs
+from spmd.planner import score_manual, step_inputs
 from spmd.runtime.compile import Executable, prepare
 from spmd.runtime.pipeline import PipelineExecutable
 from spmd.runtime.stacked import stacked_executable
@@ -99,7 +99,7 @@ def plan_manual(sig: StepSignature, mesh: DeviceMesh, method: str,
     one all-reduce and 8 all-to-alls its score predicts)."""
     inputs = step_inputs(sig, mesh, options or SearchOptions())
     input_specs = manual_specs(sig.leaves, method, mesh, [i.pinned for i in inputs])
-    scored = (scored_manual(sig, mesh, method, options, inputs=inputs) if options is not None
+    scored = (score_manual(sig, mesh, method, options, inputs=inputs) if options is not None
               and (options.compare or options.memory_budget is not None) else None)
     result = Plan(method=method, mesh=mesh, leaves=sig.leaves, input_specs=input_specs,
                   output_specs=_output_specs(sig, input_specs), signature=sig,

@@ -30,7 +30,7 @@ from spmd.timing import Stopwatch
 from spmd.trace.graph import Graph, build_graph
 from spmd.trace.signature import StepSignature
 
-__all__ = ["plan_auto", "score_manual", "scored_manual", "step_inputs"]
+__all__ = ["plan_auto", "score_manual", "step_inputs"]
 
 
 def step_inputs(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions) -> list[InputInfo]:
@@ -71,18 +71,11 @@ def _baselines(sig: StepSignature, mesh: DeviceMesh, options: SearchOptions,
 
 def score_manual(sig: StepSignature, mesh: DeviceMesh, method: str, options: SearchOptions,
                  graph: Graph | None = None,
-                 inputs: list[InputInfo] | None = None) -> AutoResult:
+                 inputs: list[InputInfo] | None = None) -> Searched:
     """The cost model's view of one hand-written plan (intermediates chosen by the ILP), with
-    the sharding constraints that compile it as scored: ``scored_manual``'s answer."""
-    return scored_manual(sig, mesh, method, options, graph, inputs).result
-
-
-def scored_manual(sig: StepSignature, mesh: DeviceMesh, method: str, options: SearchOptions,
-                  graph: Graph | None = None,
-                  inputs: list[InputInfo] | None = None) -> Searched:
-    """``score_manual``, kept with what it was scored on (``Plan.priced_on`` prices it on
-    another platform). ``inputs``: ``step_inputs`` already made for these options (else
-    made here)."""
+    the sharding constraints that compile it as scored (``.result``), kept with what it was
+    scored on (``Plan.priced_on`` prices it on another platform). ``inputs``:
+    ``step_inputs`` already made for these options (else made here)."""
     limit, solver = options.scoring()
     inputs = inputs if inputs is not None else step_inputs(sig, mesh, options)
     return score_searched(sig.jaxpr, inputs, mesh,

@@ -52,7 +52,7 @@ def test_zero_plan_is_scored():
 
     sig = StepSignature(spec.train_step, (am, ao, spec.batch(256, 0)))
     mesh = spmd.load_mesh("cpu-8")
-    res = score_manual(sig, mesh, "zero", SearchOptions(time_limit=2.0))
+    res = score_manual(sig, mesh, "zero", SearchOptions(time_limit=2.0)).result
     specs = dict(zip((leaf.path for leaf in sig.leaves), manual_specs(sig.leaves, "zero", mesh)))
     params = [leaf for leaf in sig.leaves if leaf.kind == "param"]
     assert all(not any(specs[leaf.path]) for leaf in params)  # parameters replicated
@@ -169,7 +169,7 @@ def test_every_consumer_of_a_resharded_value_is_constrained():
     sig = StepSignature(spec.train_step, (am, ao, spec.batch(8, 0)))
     graph = build_graph(sig.jaxpr)
     mesh = make_mesh({"data": 2, "model": 4}, virtual=True)
-    res = score_manual(sig, mesh, "dp_tp", SearchOptions(time_limit=2.0), graph)
+    res = score_manual(sig, mesh, "dp_tp", SearchOptions(time_limit=2.0), graph).result
     chosen = res.node_strategies
     readers: dict = {}
     for n in graph.nodes:

@@ -43,7 +43,7 @@ def test_gpu_plan_reduce_scatters_gradients_and_cpu_compile_agrees(gpt, method):
     # seed within 0.5 s, and for fsdp it lands in one of two assignments 2% apart by timing
     # (one all-reduces activations)
     scoring = spmd.SearchOptions(score_refine=True, score_time_limit=2, time_limit=2)
-    scored = score_manual(plan.bound_signature(), mesh, method, scoring)
+    scored = score_manual(plan.bound_signature(), mesh, method, scoring).result
     pred = scored.prediction.collectives
     grads = sum(leaf.nbytes for leaf in plan.leaves if leaf.kind == "param")
     # The gradients are reduced by reduce-scatters (XLA:GPU), not all-reduces (XLA:CPU).

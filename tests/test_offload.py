@@ -31,7 +31,7 @@ def _lean(spec, mesh, abstract) -> float:
     """fsdp's predicted peak bytes per device: the leanest hand-written plan's."""
     fsdp = spmd.plan(spec.train_step, *abstract, mesh=mesh, method="fsdp")
     return score_manual(fsdp.bound_signature(), mesh, "fsdp",
-                        spmd.SearchOptions()).prediction.memory_bytes
+                        spmd.SearchOptions()).result.prediction.memory_bytes
 
 
 @pytest.fixture(scope="module")

@@ -57,7 +57,8 @@ class Buffer:
     """Memory a plan adds that is no value of the graph, live from program point ``start``
     to ``end`` (both included): e.g. a value's copy in another spec, made for the ops that
     read it so (an all-gathered weight, live from its first such reader to its last), or an
-    op's partial result before its reduce-scatter."""
+    op's partial result before its reduce-scatter. Negative where a plan makes a value later
+    than its op (a gradient made by a combined collective after it)."""
 
     start: int
     end: int

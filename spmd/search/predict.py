@@ -171,7 +171,7 @@ def predict_with_peak(enc: Encoding, node_choice: Sequence[int]) -> tuple[Predic
     # same collective of the same operand: a value gathered whole for one reader and
     # rematerialized, gathered whole and sliced, for another is gathered once); each target
     # spec's copy is a buffer from its first reader to its last (one a collective makes of
-    # a step input, from when XLA:CPU makes it: ``_made_at``).
+    # a step input, on XLA:CPU from the step's start: ``_made_first``).
     copies: dict[tuple[Value, Spec], list[int]] = {}
     for v, reads in cg.reads.items():
         src = strategy[v.node].out_specs[v.index]
@@ -204,12 +204,12 @@ def predict_with_peak(enc: Encoding, node_choice: Sequence[int]) -> tuple[Predic
     nbytes = np.array([0.0 if fused and v not in resharded else
                        float(cg.bytes_row(v, (strategy[v.node].out_specs[v.index],))[0])
                        for (v, _, _), fused in zip(live.intervals, live.fused)])
-    made_at = _made_at(cg)
-    collective = lambda v, dst: bool(  # noqa: E731 (else a slice, fused into its readers)
-        cg.reshard(v, strategy[v.node].out_specs[v.index], dst)[1])
-    extra = [Buffer(made_at(v, at) if collective(v, dst) else min(at), max(at),
-                    float(cg.bytes_row(v, (dst,))[0])) for (v, dst), at in copies.items()]
-    extra += _relayout_copies(cg, strategy, made_at)
+    # (a reshard without a collective is a slice, fused into its readers)
+    early = [_made_first(cg, v) and bool(cg.reshard(v, strategy[v.node].out_specs[v.index],
+                                                      dst)[1]) for v, dst in copies]
+    extra = [Buffer(0 if first else min(at), max(at), float(cg.bytes_row(v, (dst,))[0]))
+             for ((v, dst), at), first in zip(copies.items(), early)]
+    extra += _relayout_copies(cg, strategy)
     extra += _partial_results(cg, strategy, partials, combined_at, nbytes)
     totals = live.totals(nbytes, extra)  # at every program point, the step's end included
     peak_at = int(np.argmax(totals))
@@ -221,37 +221,35 @@ def predict_with_peak(enc: Encoding, node_choice: Sequence[int]) -> tuple[Predic
     return prediction, peak_at
 
 
-def _made_at(cg: CostGraph):
-    """When XLA makes a copy of value ``v`` (a reshard's collective, a matmul operand's
-    transpose) that ``readers`` read: at the first reader, except a copy of a step input
-    on XLA:CPU, made at the step's start. XLA:CPU schedules a program with collectives
-    breadth-first, for concurrency, so an op runs as soon as its operands are there, and
-    what reads only the step's inputs runs first: gpt-13b's FSDP plan on 8 simulated
-    devices gathers every layer's weights and copies every transposed weight at the step's
-    start, 24 GiB of its temporaries at its peak. What reads computed values runs near its
-    readers in either order; XLA:GPU's scheduler keeps every copy near its readers."""
-    inputs_first = cg.mesh.platform == "cpu"
-    return lambda v, readers: (0 if inputs_first and cg.graph.nodes[v.node].kind == "input"
-                               else min(readers))
+def _made_first(cg: CostGraph, v: Value) -> bool:
+    """Whether XLA makes a copy of ``v`` (a collective's, a matmul operand's transpose) at
+    the step's start rather than at its first reader: a copy of a step input on XLA:CPU.
+    XLA:CPU schedules a program with collectives breadth-first, for concurrency, so an op
+    runs as soon as its operands are there, and what reads only the step's inputs runs
+    first: gpt-13b's FSDP plan on 8 simulated devices gathers every layer's weights and
+    copies every transposed weight at the step's start, 24 GiB of its temporaries at its
+    peak. What reads computed values runs near its readers in either order; XLA:GPU's
+    scheduler keeps every copy near its readers."""
+    return cg.mesh.platform == "cpu" and cg.graph.nodes[v.node].kind == "input"
 
 
-def _relayout_copies(cg: CostGraph, strategy: Sequence, made_at) -> list[Buffer]:
+def _relayout_copies(cg: CostGraph, strategy: Sequence) -> list[Buffer]:
     """The copies XLA makes of the matmul operands it puts in another dimension order first
-    (``CostGraph.relayouts``). One made early (``made_at``: a step input's, on XLA:CPU) is
-    one per operand and spec (XLA's CSE merges the rest), held to its last reader; any
-    other is its reader's, made and freed there (a transposed activation read in the
-    forward and the backward pass is not held between them). Values made from constants
-    alone are made in their readers' kernels, transposed there."""
+    (``CostGraph.relayouts``). One made at the step's start (``_made_first``) is one per
+    operand and spec (XLA's CSE merges the rest), held to its last reader; any other is its
+    reader's, made and freed there (a transposed activation read in the forward and the
+    backward pass is not held between them). Values made from constants alone are made in
+    their readers' kernels, transposed there."""
     readers: dict[tuple, list[int]] = {}
     for n in cg.graph.nodes:
         for k in cg.relayouts(n):
             v = n.operands[k]
             if v is not None and v.node not in cg.constant_made:
                 spec = strategy[n.id].in_specs[k]
-                key = (v, spec) if made_at(v, [n.id]) < n.id else (v, spec, n.id)
+                key = (v, spec) if _made_first(cg, v) else (v, spec, n.id)
                 readers.setdefault(key, []).append(n.id)
-    return [Buffer(made_at(key[0], at), max(at), float(cg.bytes_row(key[0], (key[1],))[0]))
-            for key, at in readers.items()]
+    return [Buffer(0 if _made_first(cg, key[0]) else min(at), max(at),
+                   float(cg.bytes_row(key[0], (key[1],))[0])) for key, at in readers.items()]
 
 
 def _partial_results(cg: CostGraph, strategy: Sequence, partials: Sequence[tuple[int, Any, float]],
