@@ -134,7 +134,9 @@ class Plan:
             return None
         if platform == self.mesh.platform:
             return self._searched.result.prediction
-        return self._searched.price_on(dataclasses.replace(self.mesh, platform=platform))
+        return self._searched.price_on(dataclasses.replace(
+            self.mesh, platform=platform, stands_in_for=self.mesh.platform
+            if self.mesh.compile_backend == platform else None))
 
     def bytes_by_kind(self) -> dict[str, int]:
         """Per-device bytes of the step's inputs under this plan, by kind."""

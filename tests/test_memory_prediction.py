@@ -7,6 +7,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -148,3 +149,40 @@ def test_a_weight_xla_cpu_transposes_is_copied_at_the_steps_start_on_cpu_only(pl
                              ("bse,ehk->bshk", jnp.ones((64, 4, 16))))}
     extra = peaks["bse,hke->bshk"] - peaks["bse,ehk->bshk"]
     assert extra == pytest.approx(4 * 16 * 64 * 4 if platform == "cpu" else 0, abs=16)
+
+
+def test_in_order_copies_a_transposed_operand_at_its_matmul_and_keeps_the_numbers():
+    """A compile standing in for GPUs (``constrained(..., in_order=True)``): each matmul
+    operand XLA:CPU transposes (here every layer's activation ``h[b, s, e]`` in its weight
+    gradient ``h^T . dy``, contracting two dimensions) waits for the matmul's other operand
+    through a fence, and the fences are chained: XLA keeps their scalar all-reduces apart
+    (combined, one all-reduce would wait for the last fence, and with it every copy). The
+    step computes the same gradients, on 2 CPU devices, as without the fences."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from spmd.runtime.constrain import constrained
+
+    def step(ws, x):
+        def loss(ws):
+            h = x
+            for w in ws:
+                h = jnp.tanh(jnp.einsum("bse,ef->bsf", h, w))
+            return h.sum()
+        return jax.grad(loss)(ws)
+
+    ws = [jax.random.normal(jax.random.key(k), (16, 16)) / 4 for k in range(3)]
+    x = jax.random.normal(jax.random.key(9), (4, 8, 16))
+    cj = jax.make_jaxpr(step)(ws, x)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    shardings = [NamedSharding(mesh, P())] * 3 + [NamedSharding(mesh, P("data"))]
+    flat = [*ws, x]
+    compiled = {order: jax.jit(constrained(cj, {}, mesh, in_order=order),
+                               in_shardings=shardings).lower(*flat).compile()
+                for order in (False, True)}
+    plain, fenced = (compiled[o](*flat) for o in (False, True))
+    for a, b in zip(plain, fenced):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    scalar_reduces = [line for line in compiled[True].as_text().splitlines()
+                      if " all-reduce(" in line and "= f32[] all-reduce" in line]
+    assert len(scalar_reduces) == len(ws)  # one per transposed h, none combined
+    assert "= f32[] all-reduce" not in compiled[False].as_text()

@@ -173,8 +173,9 @@ def describe_check(c: CompileCheck) -> str:
             "for its reader; spmd prices that for the copies of the step's inputs (weights "
             "gathered or transposed at the start), not for the rest, which it keeps in "
             "program order"
-            + ("; this compile stands in for the GPUs, whose memory only their own "
-               "compile checks" if c.gpu_mesh else ""))
+            + ("; this compile stands in for the GPUs (its transposed matmul operands wait "
+               "for their matmuls, as there), whose memory only their own compile checks"
+               if c.gpu_mesh else ""))
     return "\n".join(lines)
 
 

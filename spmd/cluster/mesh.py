@@ -76,6 +76,10 @@ class DeviceMesh:
     #: positions (in the process group's device order) of this mesh's devices, row-major
     #: over its axes; None: the first ``size`` devices (a whole mesh). Set by ``submesh``.
     device_ids: tuple[int, ...] | None = None
+    #: the platform of the devices this mesh's compile stands in for: a GPU mesh as XLA:CPU
+    #: compiles it on simulated devices, for a check (``Plan.priced_on("cpu")``), whose
+    #: matmul copies are made at their readers (``spmd.runtime.constrain``). None: itself.
+    stands_in_for: str | None = None
 
     @property
     def shape(self) -> dict[str, int]:
@@ -167,6 +171,12 @@ class DeviceMesh:
         """The jax backend this mesh's programs compile on: a virtual mesh's on simulated CPU
         devices (compile-only checks), a real one's on its platform's."""
         return "cpu" if self.virtual else self.platform
+
+    @property
+    def stand_in(self) -> bool:
+        """Whether this mesh's compile stands in for another platform's devices (a virtual
+        GPU mesh on simulated CPU devices; ``stands_in_for``)."""
+        return self.stands_in_for is not None or self.compile_backend != self.platform
 
     def jax_mesh(self):
         """The concrete jax Mesh over the devices of this process group (Auto axis types).

@@ -158,7 +158,7 @@ def offload(closed_jaxpr, plan: OffloadPlan, output_aliases: Mapping[int, int],
         copies: dict[int, Any] = {}
         written: dict[int, Any] = {}  # output index -> its copy in host memory
 
-        def to_device(path, operands: list[Any]) -> list[Any]:
+        def to_device(path, eqn, operands: list[Any]) -> list[Any]:
             out = []
             for x in operands:
                 i = held.get(id(x))

@@ -10,9 +10,9 @@ parameters) and, under ``SAVE_DOTS``, its matmul outputs without batch dims (jax
 ``dots_with_no_batch_dims_saveable``); under ``RECOMPUTE_ALL`` only its inputs (jax's
 ``nothing_saveable``). Every backward op reads the recomputed copies, so the forward ones
 die at their last forward reader. The activations and parameters the recomputation reads
-are made to depend on a backward value that op reads (``_after``), so XLA can neither merge
-the recomputation with the forward pass (CSE: a weight split FSDP-style would be gathered
-once for both, its whole copy held from the forward to the backward pass, as
+are made to depend on a backward value that op reads (``spmd.trace.fence.after``), so XLA
+can neither merge the recomputation with the forward pass (CSE: a weight split FSDP-style
+would be gathered once for both, its whole copy held from the forward to the backward pass, as
 ``jax.checkpoint`` avoids) nor hoist it before the backward pass reaches the layer.
 
 The result is a plain ``ClosedJaxpr`` whose recomputed equations carry the name stack
@@ -45,6 +45,7 @@ from typing import Any, Mapping
 
 import jax
 
+from spmd.trace.fence import after, fenceable
 from spmd.trace.graph import Graph, Path, Value, build_graph, inner_jaxpr
 from spmd.trace.interpret import eval_jaxpr_with, named_like
 from spmd.trace.layers import forward_ops, is_backward, layer_of
@@ -200,31 +201,6 @@ def _layers(graph: Graph, closed_jaxpr, plan: RematPlan) -> dict[int, _Layer]:
     return out
 
 
-def _after(x, fence):
-    """``x``, made to depend on ``fence`` in a way no XLA pass folds: ``select(p, x, 0)``
-    with ``p = (c == c) | (c != c)``, always true, ``c`` the fence itself where its shape is
-    ``x``'s (elementwise: no communication under equal specs), else its maximum.
-
-    A data dependence, not an ``optimization_barrier``: XLA:CPU expands barriers before its
-    CSE, which then merges a recomputation with the forward pass it repeats (a
-    ``jax.checkpoint``-ed step compiles to the plain one's memory there); and a barrier over
-    a layer's inputs is one op of many shapes, which no sharding rule splits. A dependence
-    on a backward value survives on every backend and keeps the recomputation after it,
-    where its memory is saved."""
-    import jax.numpy as jnp
-
-    c = fence if jnp.shape(fence) == jnp.shape(x) else jnp.max(fence)
-    if not jnp.issubdtype(jnp.result_type(c), jnp.inexact):
-        c = c.astype(jnp.float32)
-    p = jnp.broadcast_to((c == c) | (c != c), jnp.shape(x))
-    return jax.lax.select(p, x, jnp.zeros_like(x))
-
-
-def _numeric(x) -> bool:
-    """An array ``_after`` can fence (not a typed PRNG key)."""
-    return not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)
-
-
 def recomputable(closed_jaxpr, graph: Graph, layers: int) -> bool:
     """Whether recomputing every layer changes anything (not for a step that checkpoints
     itself, nor for a scanned one)."""
@@ -255,8 +231,8 @@ def rematerialize(closed_jaxpr, plan: RematPlan, graph: Graph | None = None):
                         saved.setdefault(v, x)
             if fence is not None:  # what it reads waits for the backward pass
                 with jax.named_scope(REMAT_SCOPE):
-                    saved = {v: _after(x, fence) if nodes[v.node].kind != "const"
-                             and _numeric(x) else x for v, x in saved.items()}
+                    saved = {v: after(x, fence) if nodes[v.node].kind != "const"
+                             and fenceable(x) else x for v, x in saved.items()}
             values: dict[Value, Any] = {}
             for n in lay.recompute:
                 node = nodes[n]
@@ -269,7 +245,7 @@ def rematerialize(closed_jaxpr, plan: RematPlan, graph: Graph | None = None):
                     values[Value(n, j)] = x
             copies.update({v: values[v] for v in lay.residuals})
 
-        def before(path: Path, args: list[Any]) -> list[Any]:
+        def before(path: Path, eqn: Any, args: list[Any]) -> list[Any]:
             n = by_path.get(path)
             if n is None:
                 return args
@@ -286,8 +262,8 @@ def rematerialize(closed_jaxpr, plan: RematPlan, graph: Graph | None = None):
             if not due:
                 return [copies.get(v, x) if v is not None else x for v, x in zip(operands, args)]
             # a backward value this op reads fences the recomputation to this point
-            fence = next((x for v, x in zip(operands, args) if v is not None
-                          and v not in owner and is_backward(nodes[v.node]) and _numeric(x)), None)
+            fence = next((x for v, x in zip(operands, args) if v is not None and v not in owner
+                          and is_backward(nodes[v.node]) and fenceable(x)), None)
             for k in due:
                 recompute(k, fence)
             return [copies.get(v, x) if v is not None else x for v, x in zip(operands, args)]

@@ -84,8 +84,9 @@ def prepare(plan: Plan, donate: bool | None = None,
     """Jit ``plan``'s step. ``donate`` (default: True for NNX steps, whose state spmd writes
     back) lets XLA reuse the input state's buffers for the new state."""
     fn = plan.bound_signature().flat_fn
-    if plan.constraints or plan.rewritten:
-        run = constrained(plan.program(), plan.constraints, plan.mesh.sharding_mesh())
+    if plan.constraints or plan.rewritten or plan.mesh.stand_in:
+        run = constrained(plan.program(), plan.constraints, plan.mesh.sharding_mesh(),
+                          in_order=plan.mesh.stand_in)
         fn = lambda *flat: tuple(run(*flat))  # noqa: E731 (jit wants a tuple)
     return jit_step(plan, fn, donate,
                     {**backend_options(plan.mesh), **(compiler_options or {})})

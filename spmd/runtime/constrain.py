@@ -24,29 +24,48 @@ from jax.sharding import NamedSharding
 
 from spmd.cluster.mesh import DeviceMesh
 from spmd.sharding import Spec, to_partition_spec
+from spmd.search.layout import transposed_operands
+from spmd.trace import fence
 from spmd.trace.graph import operand_key, value_key
 from spmd.trace.interpret import eval_jaxpr_with
 
 
-def constrained(closed_jaxpr, constraints: Mapping[str, Spec], mesh: DeviceMesh | Any) -> Callable:
+def constrained(closed_jaxpr, constraints: Mapping[str, Spec], mesh: DeviceMesh | Any,
+                in_order: bool = False) -> Callable:
     """A function of the step's flat inputs that returns its flat outputs, with
     ``with_sharding_constraint`` on every value named in ``constraints``.
 
     ``mesh`` is a DeviceMesh or a concrete ``jax.sharding.Mesh``. The caller jits the result
-    with in/out shardings from the plan's input and output specs.
+    with in/out shardings from the plan's input and output specs. ``in_order``: the
+    matmuls' copies are made where they are read (``constraint_hooks``).
     """
-    after, before = constraint_hooks(constraints, mesh)
-
     def run(*args):
+        after, before = constraint_hooks(constraints, mesh, in_order)  # a chain per trace
         return eval_jaxpr_with(closed_jaxpr.jaxpr, closed_jaxpr.consts, args, after, before)
 
     return run
 
 
-def constraint_hooks(constraints: Mapping[str, Spec], mesh: DeviceMesh | Any
-                     ) -> tuple[Callable, Callable | None]:
+def constraint_hooks(constraints: Mapping[str, Spec], mesh: DeviceMesh | Any,
+                     in_order: bool = False) -> tuple[Callable, Callable | None]:
     """The ``hook`` and ``operand_hook`` of ``eval_jaxpr_with`` that put ``constraints``
-    (keyed by the paths of the program they were planned on) on the values they name."""
+    (keyed by the paths of the program they were planned on) on the values they name.
+
+    ``in_order``: the copies XLA:CPU makes of a matmul's operands in another dimension
+    order (``spmd.search.layout``) are made at that matmul, as XLA:GPU's scheduler places
+    them: each such operand waits for the matmul's other operand (``spmd.trace.fence``, one
+    chain of fences in program order). Without the fences XLA:CPU's breadth-first order
+    copies a value as soon as it exists and holds the copy to its reader: on 8 simulated
+    devices, gpt-13b's plan for 8 A100s held 16 GiB of transposed activations from the
+    forward to the backward pass. A compile standing in for another platform's devices
+    uses it (``spmd.runtime.compile.prepare``); the fences' scalar all-reduces (4 bytes
+    each) are in its collectives.
+
+    The gathers of the step's inputs are left where XLA:CPU puts them, at the step's start
+    (priced so: ``spmd.search.predict``): a fence on a step input is a copy of it, held
+    from its first reader to its last (the weights twice: gpt-bench's auto plan for 8
+    A100s compiled 1.7 MiB larger, 23.7 MiB).
+    """
     jmesh = mesh.jax_mesh() if isinstance(mesh, DeviceMesh) else mesh
     shardings = {k: NamedSharding(jmesh, to_partition_spec(tuple(tuple(a) for a in s)))
                  for k, s in constraints.items()}
@@ -57,8 +76,23 @@ def constraint_hooks(constraints: Mapping[str, Spec], mesh: DeviceMesh | Any
         return [jax.lax.with_sharding_constraint(x, shardings[value_key(path, k)])
                 if value_key(path, k) in outs_at else x for k, x in enumerate(outs)]
 
-    def before(path, args):
+    def constrain(path, args):
         return [jax.lax.with_sharding_constraint(x, shardings[operand_key(path, i)])
                 if operand_key(path, i) in ins_at else x for i, x in enumerate(args)]
 
-    return after, (before if ins_at else None)
+    if not in_order:
+        return after, ((lambda path, eqn, args: constrain(path, args)) if ins_at else None)
+    chain = fence.Chain()
+
+    def before(path, eqn, args):
+        args = constrain(path, args)
+        if eqn is None or eqn.primitive.name != "dot_general":
+            return args
+        x, y = args
+        for k in transposed_operands(jax.numpy.shape(x), jax.numpy.shape(y),
+                                     eqn.params["dimension_numbers"], "cpu"):
+            if fence.fenceable((x, y)[k]):
+                x, y = (chain.after(x, y), y) if k == 0 else (x, chain.after(y, x))
+        return [x, y]
+
+    return after, before

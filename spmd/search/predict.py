@@ -238,17 +238,19 @@ def _relayout_copies(cg: CostGraph, strategy: Sequence) -> list[Buffer]:
     (``CostGraph.relayouts``). One made at the step's start (``_made_first``) is one per
     operand and spec (XLA's CSE merges the rest), held to its last reader; any other is its
     reader's, made and freed there (a transposed activation read in the forward and the
-    backward pass is not held between them). Values made from constants alone are made in
-    their readers' kernels, transposed there."""
+    backward pass is not held between them), as are all of them in a compile standing in
+    for GPUs, whose copies wait for their matmuls (``spmd.runtime.constrain``). Values
+    made from constants alone are made in their readers' kernels, transposed there."""
+    first = not cg.mesh.stand_in
     readers: dict[tuple, list[int]] = {}
     for n in cg.graph.nodes:
         for k in cg.relayouts(n):
             v = n.operands[k]
             if v is not None and v.node not in cg.constant_made:
                 spec = strategy[n.id].in_specs[k]
-                key = (v, spec) if _made_first(cg, v) else (v, spec, n.id)
+                key = (v, spec) if first and _made_first(cg, v) else (v, spec, n.id)
                 readers.setdefault(key, []).append(n.id)
-    return [Buffer(0 if _made_first(cg, key[0]) else min(at), max(at),
+    return [Buffer(0 if len(key) == 2 else min(at), max(at),
                    float(cg.bytes_row(key[0], (key[1],))[0])) for key, at in readers.items()]
 
 

@@ -26,12 +26,12 @@ __all__ = ["eval_jaxpr_with", "named_like"]
 
 def eval_jaxpr_with(jaxpr, consts: Sequence[Any], args: Sequence[Any],
                     hook: Callable[[Path, Any, list[Any]], list[Any]],
-                    operand_hook: Callable[[Path, list[Any]], list[Any]] | None = None,
+                    operand_hook: Callable[[Path, Any, list[Any]], list[Any]] | None = None,
                     path: Path = (), scope: Any = None) -> list[Any]:
     """Evaluate a jaxpr, inlining what ``build_graph`` inlines, each equation under its name
     stack within the whole step (``scope``: the calls' around it, as ``Node.scope``).
 
-    ``operand_hook(path, args)`` may replace an equation's operands before it runs and
+    ``operand_hook(path, eqn, args)`` may replace an equation's operands before it runs and
     ``hook(path, eqn, outs)`` its outputs after (the constraint interpreter of ``spmd.runtime.constrain``). A scan
     runs as ``lax.scan`` over its body, evaluated the same way; its boundary pseudo-ops
     (module docstring) get both hooks too, with ``eqn=None``.
@@ -60,7 +60,7 @@ def eval_jaxpr_with(jaxpr, consts: Sequence[Any], args: Sequence[Any],
             outs = _eval_scan(eqn, invals, hook, operand_hook, here, scoped(scope, eqn))
         else:
             if operand_hook is not None:
-                invals = operand_hook(here, invals)
+                invals = operand_hook(here, eqn, invals)
             with named_like(eqn, scope=scope):
                 outs = eqn.primitive.bind(*invals, **eqn.params)
             outs = list(outs) if eqn.primitive.multiple_results else [outs]
@@ -93,7 +93,7 @@ def _eval_scan(eqn, invals: list[Any], hook, operand_hook, path: Path,
     body, nc, nk = params["jaxpr"], params["num_consts"], params["num_carry"]
 
     def into(kind: str, k: int, x):  # a boundary pseudo-op's operand
-        return operand_hook(path + (kind, k), [x])[0] if operand_hook is not None else x
+        return operand_hook(path + (kind, k), None, [x])[0] if operand_hook is not None else x
 
     def out(kind: str, k: int, x):  # and its output
         return hook(path + (kind, k), None, [x])[0]
