@@ -14,7 +14,7 @@ LAYERS = [
     {"spmd.cluster.hardware", "spmd.cluster.devices", "spmd.cluster.mesh",
      "spmd.cluster.distributed", "spmd.cluster.agree"},
     {"spmd.trace.graph", "spmd.trace.interpret", "spmd.trace.signature", "spmd.trace.layers",
-     "spmd.trace.regions"},
+     "spmd.trace.regions", "spmd.trace.fence"},
     {"spmd.cost.partitioner"},  # what XLA emits: the rules ask it which collective
     {"spmd.rules"},
     {"spmd.cost.time"},

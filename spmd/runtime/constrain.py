@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding
 from spmd.cluster.mesh import DeviceMesh
 from spmd.sharding import Spec, to_partition_spec
 from spmd.search.layout import transposed_operands
-from spmd.trace import fence
+from spmd.trace.fence import Chain, fenceable
 from spmd.trace.graph import operand_key, value_key
 from spmd.trace.interpret import eval_jaxpr_with
 
@@ -82,7 +82,7 @@ def constraint_hooks(constraints: Mapping[str, Spec], mesh: DeviceMesh | Any,
 
     if not in_order:
         return after, ((lambda path, eqn, args: constrain(path, args)) if ins_at else None)
-    chain = fence.Chain()
+    chain = Chain()
 
     def before(path, eqn, args):
         args = constrain(path, args)
@@ -91,7 +91,7 @@ def constraint_hooks(constraints: Mapping[str, Spec], mesh: DeviceMesh | Any,
         x, y = args
         for k in transposed_operands(jax.numpy.shape(x), jax.numpy.shape(y),
                                      eqn.params["dimension_numbers"], "cpu"):
-            if fence.fenceable((x, y)[k]):
+            if fenceable((x, y)[k]):
                 x, y = (chain.after(x, y), y) if k == 0 else (x, chain.after(y, x))
         return [x, y]
 
