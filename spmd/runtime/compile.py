@@ -82,7 +82,10 @@ def jit_step(plan: Any, fn, donate: bool | None = None,
 def prepare(plan: Plan, donate: bool | None = None,
             compiler_options: Mapping[str, Any] | None = None) -> Executable:
     """Jit ``plan``'s step. ``donate`` (default: True for NNX steps, whose state spmd writes
-    back) lets XLA reuse the input state's buffers for the new state."""
+    back) lets XLA reuse the input state's buffers for the new state. A plan for another
+    platform's devices, compiled here for a check (``DeviceMesh.stand_in``), has its
+    transposed matmul operands made at their matmuls, as that platform's scheduler would
+    (``constrained(..., in_order=True)``)."""
     fn = plan.bound_signature().flat_fn
     if plan.constraints or plan.rewritten or plan.mesh.stand_in:
         run = constrained(plan.program(), plan.constraints, plan.mesh.sharding_mesh(),
