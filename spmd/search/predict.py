@@ -241,17 +241,18 @@ def _relayout_copies(cg: CostGraph, strategy: Sequence) -> list[Buffer]:
     backward pass is not held between them), as are all of them in a compile standing in
     for GPUs, whose copies wait for their matmuls (``spmd.runtime.constrain``). Values
     made from constants alone are made in their readers' kernels, transposed there."""
-    first = not cg.mesh.stand_in
+    # (value, spec, its reader; None for the one copy made at the step's start) -> readers
     readers: dict[tuple, list[int]] = {}
     for n in cg.graph.nodes:
         for k in cg.relayouts(n):
             v = n.operands[k]
             if v is not None and v.node not in cg.constant_made:
-                spec = strategy[n.id].in_specs[k]
-                key = (v, spec) if first and _made_first(cg, v) else (v, spec, n.id)
+                first = _made_first(cg, v) and not cg.mesh.stand_in
+                key = (v, strategy[n.id].in_specs[k], None if first else n.id)
                 readers.setdefault(key, []).append(n.id)
-    return [Buffer(0 if len(key) == 2 else min(at), max(at),
-                   float(cg.bytes_row(key[0], (key[1],))[0])) for key, at in readers.items()]
+    return [Buffer(0 if reader is None else min(at), max(at),
+                   float(cg.bytes_row(v, (spec,))[0]))
+            for (v, spec, reader), at in readers.items()]
 
 
 def _partial_results(cg: CostGraph, strategy: Sequence, partials: Sequence[tuple[int, Any, float]],
