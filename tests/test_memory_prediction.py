@@ -186,3 +186,47 @@ def test_in_order_copies_a_transposed_operand_at_its_matmul_and_keeps_the_number
                       if " all-reduce(" in line and "= f32[] all-reduce" in line]
     assert len(scalar_reduces) == len(ws)  # one per transposed h, none combined
     assert "= f32[] all-reduce" not in compiled[False].as_text()
+
+
+def test_in_order_gathers_a_sharded_weight_after_its_matmuls_activation():
+    """A compile standing in for GPUs, given the step inputs' shardings: a weight split over
+    the devices and gathered for its matmuls (their constraints) is gathered from a fenced
+    copy in its own spec, made once the matmul's activation is there, not from the
+    parameter, which XLA:CPU would gather at the step's start and hold. The first layer's
+    weight has no computed operand beside it to wait for (its matmul reads the step's
+    input). The gradients are the same, on 2 CPU devices."""
+    import re
+
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from spmd.runtime.constrain import constrained
+    from spmd.trace.graph import operand_key
+
+    def step(ws, x):
+        def loss(ws):
+            h = x
+            for w in ws:
+                h = jnp.tanh(jnp.einsum("bse,ef->bsf", h, w))
+            return h.sum()
+        return jax.grad(loss)(ws)
+
+    ws = [jax.random.normal(jax.random.key(k), (16, 16)) / 4 for k in range(3)]
+    x = jax.random.normal(jax.random.key(9), (4, 8, 16))
+    cj = jax.make_jaxpr(step)(ws, x)
+    weights = cj.jaxpr.invars[:3]
+    gathered = {operand_key((i,), 1): ((), ()) for i, e in enumerate(cj.jaxpr.eqns)
+                if e.primitive.name == "dot_general" and e.invars[1] in weights}
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    shardings = [NamedSharding(mesh, P("data"))] * 4
+    flat = [*ws, x]
+    compiled = {order: jax.jit(constrained(cj, gathered, mesh, in_order=order,
+                                           input_shardings=shardings if order else ()),
+                               in_shardings=shardings).lower(*flat).compile()
+                for order in (False, True)}
+    read = {order: re.findall(r"= f32\[16,16\]\S* all-gather\((%[\w.\-]+)\)", c.as_text())
+            for order, c in compiled.items()}
+    assert len(read[False]) == 3 and all(r.startswith("%param") for r in read[False])
+    assert len(read[True]) == 3
+    assert sum(r.startswith("%param") for r in read[True]) == 1  # the first layer's
+    for a, b in zip(compiled[False](*flat), compiled[True](*flat)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -229,8 +229,10 @@ def _made_first(cg: CostGraph, v: Value) -> bool:
     first: gpt-13b's FSDP plan on 8 simulated devices gathers every layer's weights and
     copies every transposed weight at the step's start, 24 GiB of its temporaries at its
     peak. What reads computed values runs near its readers in either order; XLA:GPU's
-    scheduler keeps every copy near its readers."""
-    return cg.mesh.platform == "cpu" and cg.graph.nodes[v.node].kind == "input"
+    scheduler keeps every copy near its readers, and so does a compile standing in for
+    GPUs, whose copies wait for their readers (``spmd.runtime.constrain``)."""
+    return (cg.mesh.platform == "cpu" and not cg.mesh.stand_in
+            and cg.graph.nodes[v.node].kind == "input")
 
 
 def _relayout_copies(cg: CostGraph, strategy: Sequence) -> list[Buffer]:
@@ -238,16 +240,15 @@ def _relayout_copies(cg: CostGraph, strategy: Sequence) -> list[Buffer]:
     (``CostGraph.relayouts``). One made at the step's start (``_made_first``) is one per
     operand and spec (XLA's CSE merges the rest), held to its last reader; any other is its
     reader's, made and freed there (a transposed activation read in the forward and the
-    backward pass is not held between them), as are all of them in a compile standing in
-    for GPUs, whose copies wait for their matmuls (``spmd.runtime.constrain``). Values
-    made from constants alone are made in their readers' kernels, transposed there."""
+    backward pass is not held between them). Values made from constants alone are made in
+    their readers' kernels, transposed there."""
     # (value, spec, its reader; None for the one copy made at the step's start) -> readers
     readers: dict[tuple, list[int]] = {}
     for n in cg.graph.nodes:
         for k in cg.relayouts(n):
             v = n.operands[k]
             if v is not None and v.node not in cg.constant_made:
-                first = _made_first(cg, v) and not cg.mesh.stand_in
+                first = _made_first(cg, v)
                 key = (v, strategy[n.id].in_specs[k], None if first else n.id)
                 readers.setdefault(key, []).append(n.id)
     return [Buffer(0 if reader is None else min(at), max(at),
