@@ -207,7 +207,10 @@ def predict_with_peak(enc: Encoding, node_choice: Sequence[int]) -> tuple[Predic
     # (a reshard without a collective is a slice, fused into its readers)
     early = [_made_first(cg, v) and bool(cg.reshard(v, strategy[v.node].out_specs[v.index],
                                                       dst)[1]) for v, dst in copies]
-    extra = [Buffer(0 if first else min(at), max(at), float(cg.bytes_row(v, (dst,))[0]))
+    # a partial sum's copies for its readers wait for its combined collective (``_made_after``)
+    waits = {node: combined_at[key] for node, key, _ in partials if key is not None}
+    extra = [Buffer(0 if first else max(min(at), waits.get(v.node, 0)),
+                    max(*at, waits.get(v.node, 0)), float(cg.bytes_row(v, (dst,))[0]))
              for ((v, dst), at), first in zip(copies.items(), early)]
     extra += _relayout_copies(cg, strategy)
     extra += _partial_results(cg, strategy, partials, combined_at, nbytes)
@@ -284,13 +287,41 @@ def _partial_results(cg: CostGraph, strategy: Sequence, partials: Sequence[tuple
                 # Its readers wait for the group too: its result is in memory there, even
                 # where the program reads it early (XLA:CPU's ZeRO: each gradient all-reduced
                 # whole at the step's end, then sliced to the update's spec), in place of
-                # what those readers make from it, counted there already.
-                made = sum(value_bytes[j] for c in cg.graph.nodes[node].consumers
-                           if (j := live.position.get(Value(c, 0))) is not None
-                           and live.starts[j] <= at <= live.ends[j])
+                # what those readers make from it (``_made_after``).
+                made = sum(value_bytes[j] for c in cg.graph.nodes[node].consumers if c <= at
+                           for j in _values_of(cg, c))
                 if result > made:
                     out.append(Buffer(at, at, result - made))
+            out += _made_after(cg, node, at, value_bytes)
             continue
         if nbytes > result:
             out.append(Buffer(node, node, nbytes))
+    return out
+
+
+def _values_of(cg: CostGraph, node: int) -> list[int]:
+    """Indices (into the liveness's intervals) of ``node``'s values that are in memory."""
+    n = cg.graph.nodes[node]
+    count = len(n.op.out_shapes) if n.op is not None else 1
+    return [j for k in range(count) if (j := cg.liveness.position.get(Value(node, k))) is not None]
+
+
+def _made_after(cg: CostGraph, node: int, at: int, value_bytes: np.ndarray) -> list[Buffer]:
+    """The values of ``node``'s readers that come before ``at`` in the program, where its
+    result waits for a combined collective made after its group's last op: XLA runs those
+    readers after the collective, so their values are in memory from ``at``, not from
+    their op (moe-tiny's dp on cpu-8: expert-weight gradients split over experts,
+    all-reduced with the others at the step's end, then gathered and transposed whole;
+    counted whole from the backward pass, it was over-predicted 1.16x)."""
+    live = cg.liveness
+    out = []
+    for c in cg.graph.nodes[node].consumers:
+        if c >= at:
+            continue
+        for j in _values_of(cg, c):
+            start, end, nbytes = int(live.starts[j]), int(live.ends[j]), float(value_bytes[j])
+            if nbytes and start < at:
+                out.append(Buffer(start, min(end, at - 1), -nbytes))
+                if end < at:
+                    out.append(Buffer(at, at, nbytes))
     return out
