@@ -155,6 +155,22 @@ def test_a_weight_xla_cpu_transposes_is_copied_at_the_steps_start_on_cpu_only(pl
     assert extra == pytest.approx(4 * 16 * 64 * 4 if platform == "cpu" else 0, abs=16)
 
 
+def _layer_gradients(ws, x):
+    """The gradients of three tanh matmul layers, weights ``ws``, at ``x[b, s, e]``."""
+    def loss(ws):
+        h = x
+        for w in ws:
+            h = jnp.tanh(jnp.einsum("bse,ef->bsf", h, w))
+        return h.sum()
+    return jax.grad(loss)(ws)
+
+
+def _layer_inputs() -> tuple[list, jax.Array]:
+    """Weights and an input for ``_layer_gradients``."""
+    ws = [jax.random.normal(jax.random.key(k), (16, 16)) / 4 for k in range(3)]
+    return ws, jax.random.normal(jax.random.key(9), (4, 8, 16))
+
+
 def test_in_order_copies_a_transposed_operand_at_its_matmul_and_keeps_the_numbers():
     """A compile standing in for GPUs (``constrained(..., in_order=True)``): each matmul
     operand XLA:CPU transposes (here every layer's activation ``h[b, s, e]`` in its weight
@@ -166,17 +182,8 @@ def test_in_order_copies_a_transposed_operand_at_its_matmul_and_keeps_the_number
 
     from spmd.runtime.constrain import constrained
 
-    def step(ws, x):
-        def loss(ws):
-            h = x
-            for w in ws:
-                h = jnp.tanh(jnp.einsum("bse,ef->bsf", h, w))
-            return h.sum()
-        return jax.grad(loss)(ws)
-
-    ws = [jax.random.normal(jax.random.key(k), (16, 16)) / 4 for k in range(3)]
-    x = jax.random.normal(jax.random.key(9), (4, 8, 16))
-    cj = jax.make_jaxpr(step)(ws, x)
+    ws, x = _layer_inputs()
+    cj = jax.make_jaxpr(_layer_gradients)(ws, x)
     mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
     shardings = [NamedSharding(mesh, P())] * 3 + [NamedSharding(mesh, P("data"))]
     flat = [*ws, x]
@@ -206,17 +213,8 @@ def test_in_order_gathers_a_sharded_weight_after_its_matmuls_activation():
     from spmd.runtime.constrain import constrained
     from spmd.trace.graph import operand_key
 
-    def step(ws, x):
-        def loss(ws):
-            h = x
-            for w in ws:
-                h = jnp.tanh(jnp.einsum("bse,ef->bsf", h, w))
-            return h.sum()
-        return jax.grad(loss)(ws)
-
-    ws = [jax.random.normal(jax.random.key(k), (16, 16)) / 4 for k in range(3)]
-    x = jax.random.normal(jax.random.key(9), (4, 8, 16))
-    cj = jax.make_jaxpr(step)(ws, x)
+    ws, x = _layer_inputs()
+    cj = jax.make_jaxpr(_layer_gradients)(ws, x)
     weights = cj.jaxpr.invars[:3]
     gathered = {operand_key((i,), 1): ((), ()) for i, e in enumerate(cj.jaxpr.eqns)
                 if e.primitive.name == "dot_general" and e.invars[1] in weights}
