@@ -41,7 +41,7 @@ def test_predicted_memory_is_xlas_within_15_percent(model, method):
     mlp-small 1.26 with Adam's bias-corrected moments, fused into the update, counted as
     if in memory. mlp-tiny's zero: 1.00, 0.80 before each gradient's whole all-reduced result
     was counted at its group's all-reduce (the program slices it to the update's spec at
-    once, XLA:CPU after the step's one combined all-reduce). moe-tiny's dp: 1.08, 1.16 while
+    once, XLA:CPU after the step's one combined all-reduce). moe-tiny's dp: 1.06, 1.16 while
     the expert-weight gradients, split over experts, then gathered and transposed whole,
     were counted whole from the backward pass, not from the combined all-reduce at the
     step's end that they wait for."""
