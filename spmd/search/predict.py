@@ -171,12 +171,15 @@ def predict_with_peak(enc: Encoding, node_choice: Sequence[int]) -> tuple[Predic
     # same collective of the same operand: a value gathered whole for one reader and
     # rematerialized, gathered whole and sliced, for another is gathered once); each target
     # spec's copy is a buffer from its first reader to its last (one a collective makes of
-    # a step input, on XLA:CPU from the step's start: ``_made_first``).
+    # a step input, on XLA:CPU from the step's start: ``_made_first``). A compile standing
+    # in for GPUs reshards a step input to each target spec from a fenced copy of its own
+    # (``spmd.runtime.constrain``): there the targets share no steps.
     copies: dict[tuple[Value, Spec], list[int]] = {}
     for v, reads in cg.reads.items():
         src = strategy[v.node].out_specs[v.index]
         paid = set()
-        emitted: set[tuple[int, tuple]] = set()  # (loop level, path prefix) of v's reshards
+        emitted: set[tuple] = set()  # (loop level, path prefix, target apart) of v's reshards
+        apart = cg.mesh.stand_in and cg.graph.nodes[v.node].kind == "input"
         for read in reads:
             dst = strategy[read.node].in_specs[read.operand]
             if dst == src:
@@ -187,7 +190,7 @@ def predict_with_peak(enc: Encoding, node_choice: Sequence[int]) -> tuple[Predic
             paid.add((dst, read.repeat))
             colls = cg.reshard(v, src, dst)[1]
             for k, c in enumerate(colls):
-                step = (read.repeat, colls[:k + 1])
+                step = (read.repeat, colls[:k + 1], dst if apart else None)
                 if step in emitted:
                     continue
                 emitted.add(step)
