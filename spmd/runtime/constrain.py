@@ -50,7 +50,7 @@ def constrained(closed_jaxpr, constraints: Mapping[str, Spec], mesh: DeviceMesh 
 
 
 def constraint_hooks(constraints: Mapping[str, Spec], mesh: DeviceMesh | Any,
-                     in_order: bool = False, inputs: Mapping[int, Any] = {}
+                     in_order: bool = False, inputs: Mapping[int, Any] | None = None
                      ) -> tuple[Callable, Callable | None]:
     """The ``hook`` and ``operand_hook`` of ``eval_jaxpr_with`` that put ``constraints``
     (keyed by the paths of the program they were planned on) on the values they name.
@@ -66,9 +66,9 @@ def constraint_hooks(constraints: Mapping[str, Spec], mesh: DeviceMesh | Any,
     each) are in its collectives.
 
     The step inputs in ``inputs`` (the traced value's ``id`` -> its sharding) are resharded
-    at their first such reader, after its other operands are there, as XLA:GPU's scheduler
-    gathers a weight: XLA:CPU would gather it at the step's start and hold it to its first
-    reader (gpt-13b, save_dots on 33 of 40 layers, for 8 A100s on 8 simulated devices:
+    at the first reader that takes them in another spec, after its computed operands are
+    there, as XLA:GPU's scheduler gathers a weight: XLA:CPU would gather it at the step's
+    start and hold it for its readers (gpt-13b, save_dots on 33 of 40 layers, for 8 A100s on 8 simulated devices:
     37.20 GiB compiled so, 45.17 without). The step's later readers in that spec share the
     copy, as XLA's CSE would share one. The fenced value is constrained to the input's own
     sharding before its reshard: else XLA's propagation gives the fence the reader's spec,
@@ -92,7 +92,8 @@ def constraint_hooks(constraints: Mapping[str, Spec], mesh: DeviceMesh | Any,
     if not in_order:
         return after, ((lambda path, eqn, args: constrain(path, args)) if ins_at else None)
     chain = Chain()
-    gathered: dict[tuple[int, Any], Any] = {}  # (id of a step input, sharding) -> its copy
+    inputs = inputs or {}
+    resharded: dict[tuple[int, Any], Any] = {}  # (id of a step input, sharding) -> its copy
 
     def before(path, eqn, args):
         args = [operand(path, eqn, args, i) for i in range(len(args))]
@@ -114,13 +115,13 @@ def constraint_hooks(constraints: Mapping[str, Spec], mesh: DeviceMesh | Any,
         if eqn is None or id(x) not in inputs:
             return jax.lax.with_sharding_constraint(x, shardings[key])
         made = (id(x), shardings[key])
-        if made not in gathered:
+        if made not in resharded:
             # computed operands (a literal would be folded: no order)
             others = [a for a in args if isinstance(a, jax.core.Tracer)
                       and id(a) not in inputs and fenceable(a)]
             if others and fenceable(x):
                 x = jax.lax.with_sharding_constraint(chain.after(x, others[0]), inputs[id(x)])
-            gathered[made] = jax.lax.with_sharding_constraint(x, shardings[key])
-        return gathered[made]
+            resharded[made] = jax.lax.with_sharding_constraint(x, shardings[key])
+        return resharded[made]
 
     return after, before

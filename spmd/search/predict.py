@@ -314,10 +314,9 @@ def _made_after(cg: CostGraph, node: int, at: int, value_bytes: np.ndarray) -> l
     not from its op, and one read only before it is made and freed after it, in turn with
     the others (not counted; nor are their reshards' copies moved: counted all at ``at``,
     mlp-small's dp, whose gradients are resharded for their updates, came out 1.19x of its
-    compile, 1.06x as now). moe-tiny's dp on cpu-8: its
-    expert-weight gradients, split over experts, all-reduced with the others at the step's
-    end, then gathered and transposed whole, were counted whole from the backward pass
-    (1.16x; 1.06x now)."""
+    compile, 1.06x as now). moe-tiny's dp on cpu-8: its expert-weight gradients, split
+    over experts, all-reduced with the others at the step's end, then gathered and
+    transposed whole, were counted whole from the backward pass (1.16x; 1.06x now)."""
     live = cg.liveness
     out = []
     for c in cg.graph.nodes[node].consumers:
