@@ -70,10 +70,11 @@ def constraint_hooks(constraints: Mapping[str, Spec], mesh: DeviceMesh | Any,
     there, as XLA:GPU's scheduler gathers a weight: XLA:CPU would gather it at the step's
     start and hold it for its readers (gpt-13b, save_dots on 33 of 40 layers, for 8 A100s
     on 8 simulated devices: 37.20 GiB compiled so, 45.17 without). The step's later
-    readers in that spec share the copy, as XLA's CSE would share one. The fenced value is constrained to the input's own
-    sharding before its reshard: else XLA's propagation gives the fence the reader's spec,
-    gathers the input at the step's start all the same and copies it whole at the fence
-    (a plan recomputing 30 layers: 46.25 GiB so, 46.12 without the fences).
+    readers in that spec share the copy, as XLA's CSE would share one. The fenced value
+    is constrained to the input's own sharding before its reshard: else XLA's
+    propagation gives the fence the reader's spec, gathers the input at the step's start
+    all the same and copies it whole at the fence (a plan recomputing 30 layers: 46.25
+    GiB so, 46.12 without the fences).
     """
     jmesh = mesh.jax_mesh() if isinstance(mesh, DeviceMesh) else mesh
     shardings = {k: NamedSharding(jmesh, to_partition_spec(tuple(tuple(a) for a in s)))
