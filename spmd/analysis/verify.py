@@ -170,12 +170,14 @@ def describe_check(c: CompileCheck) -> str:
             "XLA:CPU schedules a program with collectives breadth-first, for concurrency, "
             "even where that needs more memory than its memory-minded order: each op, "
             "collectives included, runs as soon as its operands exist and its result waits "
-            "for its reader; spmd prices that for the copies of the step's inputs (weights "
-            "gathered or transposed at the start), not for the rest, which it keeps in "
-            "program order"
-            + ("; this compile stands in for the GPUs (its transposed matmul operands wait "
-               "for their matmuls, as there), whose memory only their own compile checks"
-               if c.gpu_mesh else ""))
+            "for its reader; "
+            + ("this compile stands in for the GPUs, whose memory only their own compile "
+               "checks: its weights' gathers and transposed matmul operands wait for their "
+               "readers, as there, not the rest, which spmd keeps in program order"
+               if c.gpu_mesh else
+               "spmd prices that for the copies of the step's inputs (weights gathered or "
+               "transposed at the start), not for the rest, which it keeps in program "
+               "order"))
     return "\n".join(lines)
 
 

@@ -87,8 +87,8 @@ def prepare(plan: Plan, donate: bool | None = None,
     transposed matmul operands made at their matmuls and its inputs gathered at their
     first readers, as that platform's scheduler would (``constrained(..., in_order=True)``)."""
     fn = plan.bound_signature().flat_fn
-    if plan.constraints or plan.rewritten or plan.mesh.stand_in:
-        stand_in = plan.mesh.stand_in
+    stand_in = plan.mesh.stand_in
+    if plan.constraints or plan.rewritten or stand_in:
         run = constrained(plan.program(), plan.constraints, plan.mesh.sharding_mesh(),
                           in_order=stand_in,
                           input_shardings=plan.input_shardings_flat() if stand_in else ())

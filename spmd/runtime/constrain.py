@@ -86,9 +86,13 @@ def constraint_hooks(constraints: Mapping[str, Spec], mesh: DeviceMesh | Any,
         return [jax.lax.with_sharding_constraint(x, shardings[value_key(path, k)])
                 if value_key(path, k) in outs_at else x for k, x in enumerate(outs)]
 
+    def pinned(path, i, x):
+        """Operand ``i`` in its constraint's spec (as it is where it has none)."""
+        key = operand_key(path, i)
+        return jax.lax.with_sharding_constraint(x, shardings[key]) if key in ins_at else x
+
     def constrain(path, args):
-        return [jax.lax.with_sharding_constraint(x, shardings[operand_key(path, i)])
-                if operand_key(path, i) in ins_at else x for i, x in enumerate(args)]
+        return [pinned(path, i, x) for i, x in enumerate(args)]
 
     if not in_order:
         return after, ((lambda path, eqn, args: constrain(path, args)) if ins_at else None)
@@ -111,10 +115,8 @@ def constraint_hooks(constraints: Mapping[str, Spec], mesh: DeviceMesh | Any,
         """Operand ``i`` in its constraint's spec; a step input resharded after the op's
         other operands."""
         x, key = args[i], operand_key(path, i)
-        if key not in ins_at:
-            return x
-        if eqn is None or id(x) not in inputs:
-            return jax.lax.with_sharding_constraint(x, shardings[key])
+        if key not in ins_at or eqn is None or id(x) not in inputs:
+            return pinned(path, i, x)
         made = (id(x), shardings[key])
         if made not in resharded:
             # computed operands (a literal would be folded: no order)
@@ -122,7 +124,7 @@ def constraint_hooks(constraints: Mapping[str, Spec], mesh: DeviceMesh | Any,
                       and id(a) not in inputs and fenceable(a)]
             if others and fenceable(x):
                 x = jax.lax.with_sharding_constraint(chain.after(x, others[0]), inputs[id(x)])
-            resharded[made] = jax.lax.with_sharding_constraint(x, shardings[key])
+            resharded[made] = pinned(path, i, x)
         return resharded[made]
 
     return after, before
