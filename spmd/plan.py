@@ -138,6 +138,11 @@ class Plan:
             self.mesh, platform=platform, stands_in_for=self.mesh.platform
             if self.mesh.compile_backend == platform else None))
 
+    def reductions(self) -> frozenset:
+        """The equation paths of the ops whose partial sums XLA combines with others
+        (``Searched.reductions``); none known for a plan loaded from the cache."""
+        return frozenset() if self._searched is None else self._searched.reductions()
+
     def bytes_by_kind(self) -> dict[str, int]:
         """Per-device bytes of the step's inputs under this plan, by kind."""
         totals: dict[str, int] = {}

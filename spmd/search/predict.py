@@ -148,7 +148,10 @@ def predict_with_peak(enc: Encoding, node_choice: Sequence[int]) -> tuple[Predic
         off = n.id in cg.off_path
         for c in s.collectives:
             row = counts.setdefault(c.kind, [0, 0.0])
-            key = partitioner.combine_key(c) if off else None
+            # (a compile standing in for GPUs finishes each partial sum at its op:
+            # ``spmd.runtime.constrain``'s reductions)
+            key = (partitioner.combine_key(c) if off and not (
+                cg.mesh.stand_in and c.kind in PARTIAL_SUM_KINDS) else None)
             if key is not None:  # a new group once this one holds the threshold's bytes
                 held = filled.get(key, 0.0)
                 if held and held + c.bytes > partitioner.combine_threshold:
