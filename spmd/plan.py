@@ -127,9 +127,9 @@ class Plan:
     def priced_on(self, platform: str) -> Prediction | None:
         """This plan as ``platform``'s XLA would run it on the same cluster: its mesh's
         shape and figures, that platform's collectives (XLA:CPU all-reduces and slices what
-        XLA:GPU reduce-scatters, and combines a step's reductions into one). How a plan for
-        a GPU mesh compiled on simulated CPU devices is read; None for a plan not searched
-        or scored in this process (loaded from the cache)."""
+        XLA:GPU reduce-scatters; a compile standing in for GPUs finishes each apart). How a
+        plan for a GPU mesh compiled on simulated CPU devices is read; None for a plan not
+        searched or scored in this process (loaded from the cache)."""
         if self._searched is None:
             return None
         if platform == self.mesh.platform:
