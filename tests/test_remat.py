@@ -13,9 +13,8 @@ import pytest
 
 import spmd
 from spmd.memory.remat import (RECOMPUTE_ALL, REMAT_SCOPE, SAVE_DOTS, RematPlan, block_count,
-                               is_recomputed, rematerialize)
+                               rematerialize)
 from spmd.runtime.compile import prepare
-from spmd.search.costgraph import CostGraph, InputInfo
 from spmd.trace.graph import build_graph
 
 # Activations (B x D per layer) dwarf the weights (D x D), so every good sharding splits the
@@ -75,34 +74,6 @@ def test_the_rewrite_keeps_the_numbers_and_xla_holds_less():
         # XLA (CPU too: the recomputation depends on a backward value, no barrier to undo)
         # keeps the recomputed layers' inputs only
         assert _compiled_bytes(_run(rewritten), *flat) < 0.85 * plain, policy
-
-
-def test_a_recomputations_fences_take_the_spec_of_the_values_they_hold():
-    """Each fence (``spmd.trace.fence.after``, a select) follows its saved value's choice
-    in the cost graph, so no plan reshards a saved value before its fence: XLA would merge
-    that reshard with the forward pass's and hold the copy from the forward to the backward
-    pass (gpt-13b on 8 A100s: 93 queries, keys and values, 1.9 GiB), where the plan prices
-    it as made in the backward pass."""
-    params, batch = _args(concrete=False)
-    flat = [*params, batch["x"]]
-    closed = jax.make_jaxpr(lambda *f: _step(list(f[:-1]), {"x": f[-1]}))(*flat)
-    rewritten = rematerialize(closed, RematPlan.first(LAYERS, LAYERS, SAVE_DOTS))
-    graph = build_graph(rewritten)
-    infos = [InputInfo(f"w{i}", w.shape, w.dtype, "param") for i, w in enumerate(params)]
-    cg = CostGraph(graph, [*infos, InputInfo("x", batch["x"].shape, batch["x"].dtype, "batch")],
-                   spmd.make_mesh({"data": 2, "model": 4}, virtual=True))
-    # a fence: a recomputation's select of a forward value (its other case made of zeros)
-    fences = [(n, i) for n in graph.nodes if n.kind == "op" and n.op.primitive == "select_n"
-              and is_recomputed(n.name) for i, v in enumerate(n.operands) if i > 0
-              and v.node not in cg.constant_made and not is_recomputed(graph.nodes[v.node].name)]
-    computed = [(n, i) for n, i in fences if graph.nodes[n.operands[i].node].kind == "op"]
-    assert len(computed) >= LAYERS - 1  # a layer's input, at least (the first reads x)
-    for n, i in computed:
-        v = n.operands[i]
-        assert cg.root[n.id] == cg.root[v.node], n.name
-        for r, j in enumerate(cg.fmap[n.id]):  # under each choice, the value's own spec
-            made = cg.strats[v.node][cg.fmap[v.node][r]].out_specs[v.index]
-            assert cg.strats[n.id][j].in_specs[i] == made
 
 
 def test_a_users_own_checkpoint_is_kept():

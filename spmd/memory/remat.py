@@ -230,10 +230,9 @@ def rematerialize(closed_jaxpr, plan: RematPlan, graph: Graph | None = None):
                     if v is not None and v.node not in members:
                         saved.setdefault(v, x)
             if fence is not None:  # what it reads waits for the backward pass
-                waits = [v for v, x in saved.items()
-                         if nodes[v.node].kind != "const" and fenceable(x)]
                 with jax.named_scope(REMAT_SCOPE):
-                    saved.update(zip(waits, after([saved[v] for v in waits], fence)))
+                    saved = {v: after(x, fence) if nodes[v.node].kind != "const"
+                             and fenceable(x) else x for v, x in saved.items()}
             values: dict[Value, Any] = {}
             for n in lay.recompute:
                 node = nodes[n]

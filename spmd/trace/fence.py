@@ -21,26 +21,20 @@ __all__ = ["Chain", "after", "fenceable"]
 
 
 def after(x, fence):
-    """``x`` (an array, or a pytree of them), made to depend on ``fence`` in a way no XLA
-    pass folds: ``select_n(q, x, 0)`` with ``q = (c != c) & (c == c)``, always false, ``c``
-    the fence's maximum (one scalar all-reduce where the fence is split, shared by every
-    array of ``x``).
+    """``x``, made to depend on ``fence`` in a way no XLA pass folds: ``select(p, x, 0)``
+    with ``p = (c == c) | (c != c)``, always true, ``c`` the fence itself where its shape is
+    ``x``'s (elementwise: no communication under equal specs), else its maximum (one scalar
+    all-reduce where the fence is split).
 
     A data dependence, not an ``optimization_barrier``: XLA:CPU expands barriers before its
     CSE, which then merges a recomputation with the forward pass it repeats (a
     ``jax.checkpoint``-ed step compiles to the plain one's memory there); and a barrier over
     values of many shapes is one op, which no sharding rule splits. A data dependence
-    survives on every backend.
+    survives on every backend."""
+    import jax.numpy as jnp
 
-    A scalar predicate and ``x`` as the first case make the select follow ``x``'s spec in
-    the planner (``spmd.search.costgraph``'s followers take their largest operand, the
-    first on ties). A predicate of ``x``'s shape would lead it instead, and a plan could
-    then reshard ``x`` before the fence, where XLA merges that reshard with the forward
-    pass's and holds the copy between the two: gpt-13b on 8 A100s, save_dots on 30 layers,
-    held 93 resharded queries, keys and values so (1.9 GiB; 40.14 GiB compiled, 32.80
-    priced)."""
-    c = _scalar(fence)
-    return jax.tree.map(lambda a: _select(c, a), x)
+    c = fence if jnp.shape(fence) == jnp.shape(x) else _scalar(fence)
+    return _select(c, x)
 
 
 class Chain:
@@ -69,10 +63,14 @@ def _scalar(fence):
 
 
 def _select(c, x):
-    """``x``, through a select on an always-false predicate of the scalar ``c``."""
+    """``x``, through a select on an always-true predicate of ``c`` (``c``'s shape or a
+    scalar)."""
     import jax.numpy as jnp
 
-    return jax.lax.select_n((c != c) & (c == c), x, jnp.zeros_like(x))
+    if not jnp.issubdtype(jnp.result_type(c), jnp.inexact):
+        c = c.astype(jnp.float32)
+    p = jnp.broadcast_to((c == c) | (c != c), jnp.shape(x))
+    return jax.lax.select(p, x, jnp.zeros_like(x))
 
 
 def fenceable(x: Any) -> bool:
