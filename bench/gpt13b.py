@@ -115,16 +115,17 @@ def render(data: dict[str, Any]) -> str:
                      ["compiled collectives (XLA:CPU)", _collectives(compiled["collectives"])],
                      ["predicted collectives (XLA:GPU)", _collectives(p["collectives"])]]
     notes = ["XLA:CPU stands in for XLA:GPU in the compile (no GPU was lent to this run). It "
-             "emits no reduce-scatter (a gradient is all-reduced whole, then sliced), combines "
-             "every independent reduction of a kind into one, and orders any program with "
-             "collectives breadth-first (what reads only the step's inputs runs at its start). "
-             "The compile of a plan for GPUs fences the step so that XLA:CPU gathers each "
-             "weight at its first reader, copies a transposed matmul operand at its matmul and "
-             "finishes each gradient's reduction at its op, as XLA:GPU would "
-             "(`spmd.runtime.constrain`). The prediction is for the GPU mesh; 'as XLA:CPU runs "
-             "the plan' prices the same shardings with XLA:CPU's collectives "
-             "(`Plan.priced_on`). The same check is `spmd plan --model gpt-13b --mesh a100-8 "
-             "--compile`. The compile on a GPU was not run.",
+             "emits no reduce-scatter (a gradient is all-reduced whole, then sliced) and "
+             "combines a step's gradient reductions into a few all-reduces at its end, so its "
+             "temporaries are not XLA:GPU's, which reduce-scatters in groups of at most "
+             "30 MiB as the gradients are made. Nor is its order: it schedules any program "
+             "with collectives breadth-first, for concurrency, so what reads only the step's "
+             "inputs runs at its start (every layer's weights all-gathered, every weight it "
+             "transposes for a matmul copied) and is held to its reader. The prediction is "
+             "for the GPU mesh; 'as XLA:CPU runs the plan' prices the same shardings with "
+             "XLA:CPU's collectives and those early copies (`Plan.priced_on`). The same check "
+             "is `spmd plan --model gpt-13b --mesh a100-8 --compile`. The compile on a GPU "
+             "was not run.",
              *data.get("memory_notes", [])]
     probes = [[q["remat"], q.get("offload", "none"), "yes" if q["fits"] else "no",
                "" if q["peak_bytes"] is None else f"{q['peak_bytes'] / gib:.2f}",

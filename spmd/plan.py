@@ -127,9 +127,9 @@ class Plan:
     def priced_on(self, platform: str) -> Prediction | None:
         """This plan as ``platform``'s XLA would run it on the same cluster: its mesh's
         shape and figures, that platform's collectives (XLA:CPU all-reduces and slices what
-        XLA:GPU reduce-scatters; a compile standing in for GPUs finishes each apart). How a
-        plan for a GPU mesh compiled on simulated CPU devices is read; None for a plan not
-        searched or scored in this process (loaded from the cache)."""
+        XLA:GPU reduce-scatters, and combines a step's reductions into one). How a plan for
+        a GPU mesh compiled on simulated CPU devices is read; None for a plan not searched
+        or scored in this process (loaded from the cache)."""
         if self._searched is None:
             return None
         if platform == self.mesh.platform:
@@ -137,11 +137,6 @@ class Plan:
         return self._searched.price_on(dataclasses.replace(
             self.mesh, platform=platform, stands_in_for=self.mesh.platform
             if self.mesh.compile_backend == platform else None))
-
-    def reductions(self) -> frozenset:
-        """The equation paths of the ops whose partial sums XLA combines with others
-        (``Searched.reductions``); none known for a plan loaded from the cache."""
-        return frozenset() if self._searched is None else self._searched.reductions()
 
     def bytes_by_kind(self) -> dict[str, int]:
         """Per-device bytes of the step's inputs under this plan, by kind."""

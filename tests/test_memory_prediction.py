@@ -232,33 +232,3 @@ def test_in_order_gathers_a_sharded_weight_after_its_matmuls_activation():
     assert sum(r.startswith("%param") for r in read[True]) == 1  # the first layer's
     for a, b in zip(compiled[False](*flat), compiled[True](*flat)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-
-
-def test_in_order_finishes_each_partial_sum_at_its_op():
-    """A compile standing in for GPUs, given the ops whose partial sums XLA combines (here
-    the weight gradients, summed over the batch's devices): each reads an operand after
-    the previous one's result, so XLA:CPU all-reduces each apart, not all in one at the
-    step's end holding every gradient till then. The gradients are the same, on 2 CPU
-    devices."""
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-    from spmd.runtime.constrain import constrained
-
-    ws, x = _layer_inputs()
-    cj = jax.make_jaxpr(_layer_gradients)(ws, x)
-    sums = frozenset((i,) for i, e in enumerate(cj.jaxpr.eqns)
-                     if e.primitive.name == "dot_general" and e.outvars[0].aval.shape == (16, 16))
-    assert len(sums) == len(ws)
-    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
-    shardings = [NamedSharding(mesh, P())] * 3 + [NamedSharding(mesh, P("data"))]
-    flat = [*ws, x]
-    compiled = {red: jax.jit(constrained(cj, {}, mesh, in_order=True, reductions=red),
-                             in_shardings=shardings).lower(*flat).compile()
-                for red in (frozenset(), sums)}
-    gradient_reduces = {red: [line for line in c.as_text().splitlines()
-                              if "f32[16,16]" in line.split(" all-reduce(")[0]
-                              and " all-reduce(" in line] for red, c in compiled.items()}
-    assert len(gradient_reduces[frozenset()]) == 1  # one tuple of the three gradients
-    assert len(gradient_reduces[sums]) == len(ws)
-    for a, b in zip(compiled[frozenset()](*flat), compiled[sums](*flat)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

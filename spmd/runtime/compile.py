@@ -85,15 +85,13 @@ def prepare(plan: Plan, donate: bool | None = None,
     back) lets XLA reuse the input state's buffers for the new state. A plan for another
     platform's devices, compiled here for a check (``DeviceMesh.stand_in``), has its
     transposed matmul operands made at their matmuls and its inputs gathered at their
-    first readers, and its partial sums finished one by one, as that platform's scheduler
-    and combiner would (``constrained(..., in_order=True)``)."""
+    first readers, as that platform's scheduler would (``constrained(..., in_order=True)``)."""
     fn = plan.bound_signature().flat_fn
     stand_in = plan.mesh.stand_in
     if plan.constraints or plan.rewritten or stand_in:
         run = constrained(plan.program(), plan.constraints, plan.mesh.sharding_mesh(),
                           in_order=stand_in,
-                          input_shardings=plan.input_shardings_flat() if stand_in else (),
-                          reductions=plan.reductions() if stand_in else frozenset())
+                          input_shardings=plan.input_shardings_flat() if stand_in else ())
         fn = lambda *flat: tuple(run(*flat))  # noqa: E731 (jit wants a tuple)
     return jit_step(plan, fn, donate,
                     {**backend_options(plan.mesh), **(compiler_options or {})})

@@ -31,30 +31,27 @@ from spmd.trace.interpret import eval_jaxpr_with
 
 
 def constrained(closed_jaxpr, constraints: Mapping[str, Spec], mesh: DeviceMesh | Any,
-                in_order: bool = False, input_shardings: Sequence[Any] = (),
-                reductions: frozenset = frozenset()) -> Callable:
+                in_order: bool = False, input_shardings: Sequence[Any] = ()) -> Callable:
     """A function of the step's flat inputs that returns its flat outputs, with
     ``with_sharding_constraint`` on every value named in ``constraints``.
 
     ``mesh`` is a DeviceMesh or a concrete ``jax.sharding.Mesh``. The caller jits the result
     with in/out shardings from the plan's input and output specs. ``in_order``: the
-    matmuls' copies are made where they are read, the step inputs' gathers too where
-    their shardings (``input_shardings``, in the step's flat order) are given, and the
-    partial sums of the ops at ``reductions`` (equation paths) are finished one by one
+    matmuls' copies are made where they are read, and the step inputs' gathers too where
+    their shardings (``input_shardings``, in the step's flat order) are given
     (``constraint_hooks``).
     """
     def run(*args):
         inputs = {id(a): s for a, s in zip(args, input_shardings)}
-        after, before = constraint_hooks(constraints, mesh, in_order, inputs,
-                                         reductions)  # a chain per trace
+        after, before = constraint_hooks(constraints, mesh, in_order, inputs)  # a chain per trace
         return eval_jaxpr_with(closed_jaxpr.jaxpr, closed_jaxpr.consts, args, after, before)
 
     return run
 
 
 def constraint_hooks(constraints: Mapping[str, Spec], mesh: DeviceMesh | Any,
-                     in_order: bool = False, inputs: Mapping[int, Any] | None = None,
-                     reductions: frozenset = frozenset()) -> tuple[Callable, Callable | None]:
+                     in_order: bool = False, inputs: Mapping[int, Any] | None = None
+                     ) -> tuple[Callable, Callable | None]:
     """The ``hook`` and ``operand_hook`` of ``eval_jaxpr_with`` that put ``constraints``
     (keyed by the paths of the program they were planned on) on the values they name.
 
@@ -78,12 +75,6 @@ def constraint_hooks(constraints: Mapping[str, Spec], mesh: DeviceMesh | Any,
     propagation gives the fence the reader's spec, gathers the input at the step's start
     all the same and copies it whole at the fence (a plan recomputing 30 layers: 46.25
     GiB so, 46.12 without the fences).
-
-    Each op at ``reductions`` (a path) reads its smallest computed operand after the
-    previous one's result: XLA:CPU combines every independent all-reduce of a kind into
-    one, which holds each partial sum (a whole gradient, before its slice) to the step's
-    end, where XLA:GPU combines them 30 MiB at a time (gpt-1.3b, recompute_all on 21 of
-    24 layers, for 8 A100s: 10.73 GiB compiled so, 8.65 GiB apart).
     """
     jmesh = mesh.jax_mesh() if isinstance(mesh, DeviceMesh) else mesh
     shardings = {k: NamedSharding(jmesh, to_partition_spec(tuple(tuple(a) for a in s)))
@@ -108,21 +99,9 @@ def constraint_hooks(constraints: Mapping[str, Spec], mesh: DeviceMesh | Any,
     chain = Chain()
     inputs = inputs or {}
     resharded: dict[tuple[int, Any], Any] = {}  # (id of a step input, sharding) -> its copy
-    summed: list[Any] = []  # the last reduction's result
-
-    def made(path, eqn, outs):
-        outs = after(path, eqn, outs)
-        if path in reductions and outs:
-            summed[:] = outs[:1]
-        return outs
 
     def before(path, eqn, args):
         args = [operand(path, eqn, args, i) for i in range(len(args))]
-        computed = [i for i, a in enumerate(args) if isinstance(a, jax.core.Tracer)
-                    and id(a) not in inputs and fenceable(a)]
-        if path in reductions and summed and computed:
-            k = min(computed, key=lambda i: jax.numpy.size(args[i]))
-            args[k] = chain.after(args[k], summed[0])
         if eqn is None or eqn.primitive.name != "dot_general":
             return args
         x, y = args
@@ -138,14 +117,14 @@ def constraint_hooks(constraints: Mapping[str, Spec], mesh: DeviceMesh | Any,
         x, key = args[i], operand_key(path, i)
         if key not in ins_at or eqn is None or id(x) not in inputs:
             return pinned(path, i, x)
-        copy = (id(x), shardings[key])
-        if copy not in resharded:
+        made = (id(x), shardings[key])
+        if made not in resharded:
             # computed operands (a literal would be folded: no order)
             others = [a for a in args if isinstance(a, jax.core.Tracer)
                       and id(a) not in inputs and fenceable(a)]
             if others and fenceable(x):
                 x = jax.lax.with_sharding_constraint(chain.after(x, others[0]), inputs[id(x)])
-            resharded[copy] = pinned(path, i, x)
-        return resharded[copy]
+            resharded[made] = pinned(path, i, x)
+        return resharded[made]
 
-    return made, before
+    return after, before

@@ -25,8 +25,7 @@ from spmd.cluster.agree import first_process
 from spmd.cluster.mesh import DeviceMesh
 from spmd.errors import PlanError
 from spmd.options import SearchOptions, SolverOptions
-from spmd.cost.partitioner import PARTIAL_SUM_KINDS
-from spmd.search.costgraph import CostGraph, InputInfo, off_critical_path
+from spmd.search.costgraph import CostGraph, InputInfo
 from spmd.search.encode import Encoder, Encoding
 from spmd.search.point_memory import held, point_terms
 from spmd.search.predict import Prediction, predict, predict_with_peak
@@ -226,15 +225,6 @@ class Searched:
     @classmethod
     def of(cls, job: IntraOp, result: AutoResult) -> "Searched":
         return cls(job.graph, job.inputs, dict(job.cost_graph.aliases), result)
-
-    def reductions(self) -> frozenset:
-        """The paths of the ops whose partial sums XLA combines with others of their kind
-        (off the critical path: ``off_critical_path``), which a compile standing in for GPUs
-        keeps apart (``spmd.runtime.constrain``)."""
-        off = off_critical_path(self.graph)
-        return frozenset(self.graph.nodes[n].path for n in off
-                         if any(c.kind in PARTIAL_SUM_KINDS
-                                for c in self.result.node_strategies[n].collectives))
 
     def price_on(self, mesh: DeviceMesh) -> Prediction:
         """The answer priced on ``mesh``: another mesh of the same shape, e.g. this cluster

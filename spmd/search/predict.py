@@ -127,7 +127,6 @@ def predict_with_peak(enc: Encoding, node_choice: Sequence[int]) -> tuple[Predic
     partials: list[tuple[int, Any, float]] = []
     picked: set[tuple[int, int]] = set()  # (root, root strategy) chosen: charges paid
     strategy = []  # the strategy of every node under the plan
-    apart = cg.mesh.platform == "cpu" and cg.mesh.stand_in  # partial sums never combined
     for n in graph.nodes:
         r = node_choice[n.id]
         j = int(enc.fmap[n.id][r])
@@ -149,10 +148,7 @@ def predict_with_peak(enc: Encoding, node_choice: Sequence[int]) -> tuple[Predic
         off = n.id in cg.off_path
         for c in s.collectives:
             row = counts.setdefault(c.kind, [0, 0.0])
-            # (XLA:CPU standing in for GPUs finishes each partial sum at its op:
-            # ``spmd.runtime.constrain``'s reductions)
-            key = (partitioner.combine_key(c) if off and not (
-                apart and c.kind in PARTIAL_SUM_KINDS) else None)
+            key = partitioner.combine_key(c) if off else None
             if key is not None:  # a new group once this one holds the threshold's bytes
                 held = filled.get(key, 0.0)
                 if held and held + c.bytes > partitioner.combine_threshold:
