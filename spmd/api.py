@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from typing import Any, Callable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import jax
 from flax import nnx
@@ -76,13 +76,15 @@ def plan(step_fn: Callable, *example_args: Any, mesh: DeviceMesh, method: str = 
         return plan_manual(sig, mesh, method, options)
 
 
-def runnable(p: Plan | PipelinePlan, donate: bool | None = None) -> Any:
-    """The executable of a plan: one jitted program (``compile()`` gives it), or an MPMD
-    pipeline of them (``PipelineExecutable``: compiled by its first step)."""
+def runnable(p: Plan | PipelinePlan, donate: bool | None = None,
+             compiler_options: Mapping[str, Any] | None = None) -> Any:
+    """The executable of a plan: one jitted program (``compile()`` gives it, with
+    ``compiler_options``), or an MPMD pipeline of them (``PipelineExecutable``: compiled by
+    its first step, with XLA's default options)."""
     if isinstance(p, PipelinePlan):
-        return (stacked_executable(p, donate) if p.runtime == "spmd"
+        return (stacked_executable(p, donate, compiler_options) if p.runtime == "spmd"
                 else PipelineExecutable(p, donate))
-    return prepare(p, donate)
+    return prepare(p, donate, compiler_options)
 
 
 def plan_manual(sig: StepSignature, mesh: DeviceMesh, method: str,

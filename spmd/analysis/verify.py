@@ -137,9 +137,8 @@ def check_compiled(p: Plan | PipelinePlan) -> CompileCheck:
                          "are checked here (--max-stages 1, or a scanned model's SPMD "
                          "pipeline)")
     start = time.perf_counter()
-    on_cpu = isinstance(p, Plan) and p.mesh.compile_backend == "cpu"
-    report = analyze((prepare(p, compiler_options=CHECK_OPTIONS) if on_cpu
-                      else runnable(p)).compile())
+    on_cpu = p.mesh.compile_backend == "cpu"
+    report = analyze(runnable(p, compiler_options=CHECK_OPTIONS if on_cpu else None).compile())
     seconds = time.perf_counter() - start
     if isinstance(p, Plan):
         p.attach_measured(report)
@@ -180,8 +179,9 @@ def describe_check(c: CompileCheck) -> str:
             "collectives included, runs as soon as its operands exist and its result waits "
             "for its reader; "
             + ("this compile stands in for the GPUs, whose memory only their own compile "
-               "checks: its weights' gathers and transposed matmul operands wait for their "
-               "readers, as there, not the rest, which spmd keeps in program order"
+               "checks: its step inputs' reshards and transposed matmul operands wait for "
+               "their readers, as there; the rest run as early as XLA:CPU can, where spmd's "
+               "prediction keeps them in program order"
                if c.gpu_mesh else
                "spmd prices that for the copies of the step's inputs (weights gathered or "
                "transposed at the start), not for the rest, which it keeps in program "

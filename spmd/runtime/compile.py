@@ -71,12 +71,14 @@ def donated_inputs(sig, donate: bool | None) -> tuple[int, ...]:
 def jit_step(plan: Any, fn, donate: bool | None = None,
              compiler_options: Mapping[str, Any] | None = None) -> Executable:
     """``fn`` (flat inputs -> tuple of flat outputs) jitted with ``plan``'s input and
-    output shardings, the aliased inputs donated (``donated_inputs``)."""
+    output shardings, the aliased inputs donated (``donated_inputs``), compiled with the
+    options of its mesh's backend (``backend_options``) and ``compiler_options``."""
     shardings = plan.input_shardings_flat()
     jitted = jax.jit(fn, in_shardings=tuple(shardings),
                      out_shardings=tuple(plan.output_shardings_flat()),
                      donate_argnums=donated_inputs(plan.bound_signature(), donate))
-    return Executable(plan, jitted, shardings, dict(compiler_options or {}))
+    return Executable(plan, jitted, shardings,
+                      {**backend_options(plan.mesh), **(compiler_options or {})})
 
 
 def prepare(plan: Plan, donate: bool | None = None,
@@ -84,8 +86,9 @@ def prepare(plan: Plan, donate: bool | None = None,
     """Jit ``plan``'s step. ``donate`` (default: True for NNX steps, whose state spmd writes
     back) lets XLA reuse the input state's buffers for the new state. A plan for another
     platform's devices, compiled here for a check (``DeviceMesh.stand_in``), has its
-    transposed matmul operands made at their matmuls and its inputs gathered at their
-    first readers, as that platform's scheduler would (``constrained(..., in_order=True)``)."""
+    transposed matmul operands made at their matmuls and its inputs resharded at their
+    first readers in each other spec, as that platform's scheduler would
+    (``constrained(..., in_order=True)``)."""
     fn = plan.bound_signature().flat_fn
     stand_in = plan.mesh.stand_in
     if plan.constraints or plan.rewritten or stand_in:
@@ -93,8 +96,7 @@ def prepare(plan: Plan, donate: bool | None = None,
                           in_order=stand_in,
                           input_shardings=plan.input_shardings_flat() if stand_in else ())
         fn = lambda *flat: tuple(run(*flat))  # noqa: E731 (jit wants a tuple)
-    return jit_step(plan, fn, donate,
-                    {**backend_options(plan.mesh), **(compiler_options or {})})
+    return jit_step(plan, fn, donate, compiler_options)
 
 
 def backend_options(mesh: DeviceMesh) -> dict[str, Any]:

@@ -37,7 +37,7 @@ def constrained(closed_jaxpr, constraints: Mapping[str, Spec], mesh: DeviceMesh 
 
     ``mesh`` is a DeviceMesh or a concrete ``jax.sharding.Mesh``. The caller jits the result
     with in/out shardings from the plan's input and output specs. ``in_order``: the
-    matmuls' copies are made where they are read, and the step inputs' gathers too where
+    matmuls' copies are made where they are read, and the step inputs' reshards too where
     their shardings (``input_shardings``, in the step's flat order) are given
     (``constraint_hooks``).
     """
@@ -86,16 +86,15 @@ def constraint_hooks(constraints: Mapping[str, Spec], mesh: DeviceMesh | Any,
         return [jax.lax.with_sharding_constraint(x, shardings[value_key(path, k)])
                 if value_key(path, k) in outs_at else x for k, x in enumerate(outs)]
 
-    def pinned(path, i, x):
-        """Operand ``i`` in its constraint's spec (as it is where it has none)."""
-        key = operand_key(path, i)
+    def pinned(key, x):
+        """``x`` in the spec of the operand constraint at ``key`` (as it is where none)."""
         return jax.lax.with_sharding_constraint(x, shardings[key]) if key in ins_at else x
 
-    def constrain(path, args):
-        return [pinned(path, i, x) for i, x in enumerate(args)]
+    def pin_operands(path, eqn, args):
+        return [pinned(operand_key(path, i), x) for i, x in enumerate(args)]
 
     if not in_order:
-        return after, ((lambda path, eqn, args: constrain(path, args)) if ins_at else None)
+        return after, (pin_operands if ins_at else None)
     chain = Chain()
     inputs = inputs or {}
     resharded: dict[tuple[int, Any], Any] = {}  # (id of a step input, sharding) -> its copy
@@ -112,11 +111,11 @@ def constraint_hooks(constraints: Mapping[str, Spec], mesh: DeviceMesh | Any,
         return [x, y]
 
     def operand(path, eqn, args, i):
-        """Operand ``i`` in its constraint's spec; a step input resharded after the op's
-        other operands."""
+        """Operand ``i`` in its constraint's spec; a step input, the first time it is read
+        in that spec, resharded after the op's computed operands."""
         x, key = args[i], operand_key(path, i)
         if key not in ins_at or eqn is None or id(x) not in inputs:
-            return pinned(path, i, x)
+            return pinned(key, x)
         made = (id(x), shardings[key])
         if made not in resharded:
             # computed operands (a literal would be folded: no order)
@@ -124,7 +123,7 @@ def constraint_hooks(constraints: Mapping[str, Spec], mesh: DeviceMesh | Any,
                       and id(a) not in inputs and fenceable(a)]
             if others and fenceable(x):
                 x = jax.lax.with_sharding_constraint(chain.after(x, others[0]), inputs[id(x)])
-            resharded[made] = pinned(path, i, x)
+            resharded[made] = pinned(key, x)
         return resharded[made]
 
     return after, before

@@ -485,7 +485,8 @@ class StackedPipeline:
         return STAGED_MICRO
 
 
-def stacked_executable(plan: Any, donate: bool | None = None) -> Executable:
+def stacked_executable(plan: Any, donate: bool | None = None,
+                       compiler_options: Mapping[str, Any] | None = None) -> Executable:
     """A ``PipelinePlan`` of the SPMD runtime made runnable: its one program jitted on the
     whole mesh with the plan's shardings (``spmd.runtime.compile.jit_step``, the aliased
     state donated by default, as ``prepare`` does)."""
@@ -494,4 +495,4 @@ def stacked_executable(plan: Any, donate: bool | None = None) -> Executable:
                                stage_axis=plan.stage_axis, layouts=plan.layouts,
                                recompute=plan.recompute)
     step = pipeline.function(plan.mesh.sharding_mesh())
-    return jit_step(plan, lambda *flat: tuple(step(*flat)), donate)
+    return jit_step(plan, lambda *flat: tuple(step(*flat)), donate, compiler_options)

@@ -171,15 +171,18 @@ def predict_with_peak(enc: Encoding, node_choice: Sequence[int]) -> tuple[Predic
     # same collective of the same operand: a value gathered whole for one reader and
     # rematerialized, gathered whole and sliced, for another is gathered once); each target
     # spec's copy is a buffer from its first reader to its last (one a collective makes of
-    # a step input, on XLA:CPU from the step's start: ``_made_first``). A compile standing
-    # in for GPUs reshards a step input to each target spec from a fenced copy of its own
-    # (``spmd.runtime.constrain``): there the targets share no steps.
+    # a step input, on XLA:CPU from the step's start: ``_made_first``). Priced as a compile
+    # standing in for GPUs runs (``DeviceMesh.stands_in_for``), a step input's reshards
+    # share no steps: each target spec's is made from a fenced copy of its own, where its
+    # reader has a computed operand (``spmd.runtime.constrain``). The GPU mesh's own
+    # prediction, virtual or not, shares them, as XLA:GPU's CSE does.
     copies: dict[tuple[Value, Spec], list[int]] = {}
     for v, reads in cg.reads.items():
         src = strategy[v.node].out_specs[v.index]
         paid = set()
-        emitted: set[tuple] = set()  # (loop level, path prefix, target apart) of v's reshards
-        apart = cg.mesh.stand_in and cg.graph.nodes[v.node].kind == "input"
+        emitted: set[tuple] = set()  # (loop level, path prefix, target or None) of v's reshards
+        apart = (cg.mesh.stands_in_for is not None
+                 and cg.graph.nodes[v.node].kind == "input")
         for read in reads:
             dst = strategy[read.node].in_specs[read.operand]
             if dst == src:
@@ -313,10 +316,10 @@ def _made_after(cg: CostGraph, node: int, at: int, value_bytes: np.ndarray) -> l
     readers after the collective, so a value still read there is in memory from ``at``,
     not from its op, and one read only before it is made and freed after it, in turn with
     the others (not counted; nor are their reshards' copies moved: counted all at ``at``,
-    mlp-small's dp, whose gradients are resharded for their updates, came out 1.19x of its
-    compile, 1.06x as now). moe-tiny's dp on cpu-8: its expert-weight gradients, split
-    over experts, all-reduced with the others at the step's end, then gathered and
-    transposed whole, were counted whole from the backward pass (1.16x; 1.06x now)."""
+    mlp-small's dp on cpu-8, whose gradients are resharded for their updates, is priced
+    1.19x of its compile). Counted from their ops instead, moe-tiny's dp on cpu-8 holds its
+    expert-weight gradients (split over experts, all-reduced with the others at the step's
+    end, then gathered and transposed whole) from the backward pass: 1.16x."""
     live = cg.liveness
     out = []
     for c in cg.graph.nodes[node].consumers:
