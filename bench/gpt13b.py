@@ -2,7 +2,7 @@
 search, remat and host offload chosen by it, and the plan compiled on 8 simulated CPU devices with shapes only
 (nothing materialized) to check its memory against the budget and the prediction.
 
-    python bench/gpt13b.py            # ~13 min on 2 cores (plan ~4.5, XLA:CPU compile ~9)
+    python bench/gpt13b.py            # ~7 min on 2 cores (plan ~4, XLA:CPU compile ~2-5)
     python bench/gpt13b.py --no-compile
 
 Writes bench/results/gpt13b.json and the section "## gpt-13b on 8 A100s (bench/gpt13b.py)"

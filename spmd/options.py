@@ -209,13 +209,13 @@ class SearchOptions:
       memory_budget: bytes per device a plan may use (default: the device's memory).
       memory_headroom: the share of the budget plans leave free for the memory
         prediction's error: they are searched under ``(1 - memory_headroom) x`` the budget
-        (``budget_for``). Predictions come within 15% of XLA's compiled memory on 44 of
-        the benchmark table's 45 plans (0.87-1.16x, median 0.96x, bench/memory.py, Dec 7);
+        (``budget_for``). Predictions come within 15% of XLA's compiled memory on 45 of
+        the benchmark table's 45 plans (0.87-1.12x, median 0.96x, bench/memory.py, Dec 8);
         a plan for a GPU mesh compiled on CPU devices holds what XLA:CPU adds of its own
         (whole gradients before their slice, buffers its breadth-first order makes early,
         copies at sharding constraints): gpt-bench on 8 A100s, planned under 0.8x its
-        plain peak, was predicted at 0.90x its XLA:CPU compile and compiled 0.02-2.7% over
-        that budget (three runs).
+        plain peak, was predicted at 0.89-0.91x its XLA:CPU compile and compiled within
+        that budget once, 0.02-2.7% over it in four runs (Dec 7-8).
       time_limit: seconds the solver may spend on the search; past it, the best plan found is
         used and a warning says so.
       compare: score every applicable hand-written plan on the search's own cost graph

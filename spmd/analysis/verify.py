@@ -180,8 +180,9 @@ def describe_check(c: CompileCheck) -> str:
             "for its reader; "
             + ("this compile stands in for the GPUs, whose memory only their own compile "
                "checks: its step inputs' reshards and transposed matmul operands wait for "
-               "their readers, as there; the rest run as early as XLA:CPU can, where spmd's "
-               "prediction keeps them in program order"
+               "their readers and its gradient sums are buffers of their own, as there; the "
+               "rest run as early as XLA:CPU can, where spmd's prediction keeps them in "
+               "program order"
                if c.gpu_mesh else
                "spmd prices that for the copies of the step's inputs (weights gathered or "
                "transposed at the start), not for the rest, which it keeps in program "
