@@ -37,9 +37,9 @@ def constrained(closed_jaxpr, constraints: Mapping[str, Spec], mesh: DeviceMesh 
 
     ``mesh`` is a DeviceMesh or a concrete ``jax.sharding.Mesh``. The caller jits the result
     with in/out shardings from the plan's input and output specs. ``in_order``: the
-    matmuls' copies are made where they are read, and the step inputs' reshards too where
-    their shardings (``input_shardings``, in the step's flat order) are given
-    (``constraint_hooks``).
+    matmuls' copies are made where they are read, the step inputs' reshards too where
+    their shardings (``input_shardings``, in the step's flat order) are given, and each sum
+    of gradients is a buffer of its own (``constraint_hooks``).
     """
     def run(*args):
         inputs = {id(a): s for a, s in zip(args, input_shardings)}
@@ -109,6 +109,7 @@ def constraint_hooks(constraints: Mapping[str, Spec], mesh: DeviceMesh | Any,
             return outs
         return [chain.materialized(x) if fenceable(x) and jax.numpy.ndim(x) else x
                 for x in outs]
+
     resharded: dict[tuple[int, Any], Any] = {}  # (id of a step input, sharding) -> its copy
 
     def before(path, eqn, args):
