@@ -107,8 +107,9 @@ def constraint_hooks(constraints: Mapping[str, Spec], mesh: DeviceMesh | Any,
         outs = constrain_outputs(path, eqn, outs)
         if eqn is None or eqn.primitive.name != "add_any":
             return outs
-        return [chain.materialized(x) if fenceable(x) and jax.numpy.ndim(x) else x
-                for x in outs]
+        # (its result constrained too: else XLA's propagation may give it another spec)
+        return constrain_outputs(path, eqn, [chain.materialized(x) if fenceable(x)
+                                             and jax.numpy.ndim(x) else x for x in outs])
 
     resharded: dict[tuple[int, Any], Any] = {}  # (id of a step input, sharding) -> its copy
 
