@@ -214,8 +214,8 @@ class SearchOptions:
         a plan for a GPU mesh compiled on CPU devices holds what XLA:CPU adds of its own
         (whole gradients before their slice, buffers its breadth-first order makes early,
         copies at sharding constraints): gpt-bench on 8 A100s, planned under 0.8x its
-        plain peak, was predicted at 0.89-0.91x its XLA:CPU compile and compiled within
-        that budget once, 0.02-2.7% over it in four runs (Dec 7-8).
+        plain peak, was predicted at 0.89-0.92x its XLA:CPU compile and compiled within
+        that budget in two runs, 0.02-2.7% over it in four (Dec 7-8).
       time_limit: seconds the solver may spend on the search; past it, the best plan found is
         used and a warning says so.
       compare: score every applicable hand-written plan on the search's own cost graph
