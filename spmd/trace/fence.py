@@ -71,8 +71,7 @@ def materialized(x, c):
     held to the step's end (gpt-1.3b for 8 A100s: kernels of up to 220 operands)."""
     import jax.numpy as jnp
 
-    p = (c == c) | (c != c)
-    return jax.lax.cond(p, lambda v: v, jnp.zeros_like, x)
+    return jax.lax.cond(_always(c), lambda v: v, jnp.zeros_like, x)
 
 
 def _scalar(fence):
@@ -90,8 +89,13 @@ def _select(c, x):
 
     if not jnp.issubdtype(jnp.result_type(c), jnp.inexact):
         c = c.astype(jnp.float32)
-    p = jnp.broadcast_to((c == c) | (c != c), jnp.shape(x))
-    return jax.lax.select(p, x, jnp.zeros_like(x))
+    return jax.lax.select(jnp.broadcast_to(_always(c), jnp.shape(x)), x, jnp.zeros_like(x))
+
+
+def _always(c):
+    """True, elementwise over the float ``c``, in a form no XLA pass folds (NaN makes both
+    ``c == c`` and ``c != c`` data-dependent)."""
+    return (c == c) | (c != c)
 
 
 def fenceable(x: Any) -> bool:
